@@ -1,0 +1,86 @@
+"""HealthConfig: every threshold of the health checks, with documented defaults."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+ALERT_KINDS = ("vanishing", "exploding", "dead_units", "nonfinite")
+
+
+@dataclass
+class HealthConfig:
+    """Thresholds of gradwatch's health checks (see README, "Health checks").
+
+    The defaults are chosen so that ordinary healthy training raises nothing.
+    """
+
+    #: A layer is vanishing when the window median of its gradient RMS (L2 norm
+    #: divided by sqrt(#elements), so independent of its size) is below this ...
+    vanishing_abs_rms: float = 1e-10
+    #: ... or below this fraction of the strongest layer's RMS in the same steps.
+    vanishing_rel_rms: float = 1e-5
+    #: Exploding: a layer's grad_norm above this absolute ceiling at any step ...
+    exploding_abs_norm: float = 1e5
+    #: ... or above this factor times the layer's baseline (the running maximum
+    #: of its earlier windows' median grad_norm).
+    exploding_factor: float = 10.0
+    #: Steps before the relative exploding test starts (the baseline needs history).
+    exploding_warmup_steps: int = 20
+    #: |output gradient| at or below this counts as zero for dead units.
+    dead_eps: float = 0.0
+    #: A dead_units alert fires when a layer's dead_fraction reaches this.
+    dead_fraction: float = 0.5
+    #: Layers with fewer units than this are not judged for dead units.
+    dead_min_units: int = 4
+    #: While a condition persists it is logged again every this many flushes (0: never).
+    remind_every: int = 10
+    #: Alert kinds that stop training (GradMonitor raises GradientHealthError).
+    stop_on: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        def finite_positive(name: str, allow_zero: bool = False) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise TypeError(f"HealthConfig.{name} must be a number, got {value!r}")
+            if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+                need = ">= 0" if allow_zero else "> 0"
+                raise ValueError(f"HealthConfig.{name} must be a finite number {need}, got {value!r}")
+
+        finite_positive("vanishing_abs_rms", allow_zero=True)
+        finite_positive("vanishing_rel_rms", allow_zero=True)
+        if self.vanishing_rel_rms >= 1:
+            raise ValueError(
+                f"HealthConfig.vanishing_rel_rms must be < 1 (a fraction of the strongest "
+                f"layer), got {self.vanishing_rel_rms!r}"
+            )
+        finite_positive("exploding_abs_norm")
+        finite_positive("exploding_factor")
+        if self.exploding_factor <= 1:
+            raise ValueError(
+                f"HealthConfig.exploding_factor must be > 1, got {self.exploding_factor!r}"
+            )
+        finite_positive("dead_eps", allow_zero=True)
+        finite_positive("dead_fraction")
+        if self.dead_fraction > 1:
+            raise ValueError(
+                f"HealthConfig.dead_fraction is a fraction in (0, 1], got {self.dead_fraction!r}"
+            )
+        for name in ("exploding_warmup_steps", "dead_min_units", "remind_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"HealthConfig.{name} must be an int >= 0, got {value!r}")
+        if isinstance(self.stop_on, str):
+            self.stop_on = frozenset([self.stop_on])
+        stop_on = frozenset(self.stop_on)
+        unknown = sorted(stop_on - set(ALERT_KINDS))
+        if unknown:
+            raise ValueError(
+                f"HealthConfig.stop_on has unknown alert kind(s) {unknown}; "
+                f"choose from {list(ALERT_KINDS)}"
+            )
+        self.stop_on = stop_on
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

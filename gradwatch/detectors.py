@@ -1,0 +1,205 @@
+"""Health checks over one flushed window, vectorised over layers with numpy.
+
+They run on the host at flush time only; the device keeps nothing but counters.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from .alerts import Finding
+from .config import HealthConfig
+from .window import Window
+
+log = logging.getLogger("gradwatch")
+
+# A window needs this many valid steps before its own median may stand in for
+# a missing history baseline in the exploding test.
+_MIN_STEPS_FOR_WINDOW_BASELINE = 8
+
+
+class HealthChecks:
+    """Vanishing, exploding, dead-unit and non-finite checks with their baselines."""
+
+    def __init__(self, config: HealthConfig, layers: list[str]) -> None:
+        self.config = config
+        self.layers = layers
+        # Running maximum of earlier windows' median grad_norm, per layer and
+        # (last entry) for the global norm; NaN until a window had data.
+        self.baseline = np.full(len(layers) + 1, np.nan)
+        self.steps_seen = 0
+        self.skipped_steps = 0
+
+    # ------------------------------------------------------------------ API
+    def check(self, w: Window) -> list[Finding]:
+        """All findings of one window (de-duplication happens in AlertTracker)."""
+        n = len(w.steps)
+        if n == 0:
+            return []
+        skipped = w.skipped if w.skipped is not None else np.zeros(n, dtype=bool)
+        findings: list[Finding] = []
+        findings += self._nonfinite(w, skipped)
+        valid = w.has_grad & ~skipped[:, None] & np.isfinite(w.grad_norm)
+        findings += self._exploding(w, valid)
+        findings += self._vanishing(w, valid)
+        findings += self._dead(w)
+        n_skipped = int(skipped.sum())
+        if n_skipped:
+            self.skipped_steps += n_skipped
+            log.info(
+                "[gradwatch] GradScaler skipped %d step(s) with Inf/NaN gradients in steps %d-%d "
+                "(loss-scale calibration, not an alert)",
+                n_skipped,
+                w.steps[0],
+                w.steps[-1],
+            )
+        self.steps_seen += n
+        return findings
+
+    # --------------------------------------------------------------- checks
+    def _nonfinite(self, w: Window, skipped: np.ndarray) -> list[Finding]:
+        out_bad = w.out_seen & ~np.isfinite(w.out_grad_norm)
+        grad_bad = (w.nonfinite > 0) | out_bad
+        fwd_bad = w.fwd_nonfinite
+        for t in range(len(w.steps)):
+            if not (fwd_bad[t].any() or grad_bad[t].any()):
+                continue
+            if skipped[t] and not fwd_bad[t].any():
+                continue  # a GradScaler skip, reported as such
+            fwd_order, bwd_order = w.step_orders[t] if t < len(w.step_orders) else ([], [])
+            if fwd_bad[t].any():
+                origin = _first_in(fwd_order, fwd_bad[t])
+                detail = f"origin: first non-finite forward output, in layer {w.layers[origin]}"
+            else:
+                origin = _first_in(bwd_order, grad_bad[t], reverse_default=True)
+                detail = f"origin: first non-finite gradient in backward order, in layer {w.layers[origin]}"
+            count = float(np.nansum(w.nonfinite[t]))
+            return [Finding("nonfinite", w.layers[origin], w.steps[t], count, 0.0, detail)]
+        return []
+
+    def _exploding(self, w: Window, valid: np.ndarray) -> list[Finding]:
+        cfg = self.config
+        norms = np.where(valid, w.grad_norm, np.nan)
+        glob_valid = valid.any(axis=1) & np.isfinite(w.global_grad_norm)
+        glob = np.where(glob_valid, w.global_grad_norm, np.nan)
+        table = np.concatenate([norms, glob[:, None]], axis=1)  # [steps, layers + 1]
+        names = self.layers + [""]
+
+        with np.errstate(all="ignore"):
+            window_median = np.nanmedian(table, axis=0) if table.size else np.array([])
+        baseline = self.baseline.copy()
+        n_valid = np.sum(np.isfinite(table), axis=0)
+        use_window = (
+            np.isnan(baseline)
+            & (n_valid >= _MIN_STEPS_FOR_WINDOW_BASELINE)
+            & (self.steps_seen + len(w.steps) > cfg.exploding_warmup_steps)
+        )
+        baseline[use_window] = window_median[use_window]
+        if self.steps_seen < cfg.exploding_warmup_steps:
+            baseline[~use_window] = np.nan
+
+        with np.errstate(invalid="ignore"):
+            ceiling = np.where(np.isnan(baseline), np.inf, cfg.exploding_factor * baseline)
+            over_rel = table > ceiling[None, :]
+            over_abs = table > cfg.exploding_abs_norm
+        over = over_rel | over_abs
+        findings = []
+        for j in np.flatnonzero(over.any(axis=0)):
+            t = int(np.argmax(over[:, j]))
+            value = float(table[t, j])
+            if over_abs[t, j]:
+                threshold, why = cfg.exploding_abs_norm, "above the absolute ceiling"
+            else:
+                threshold = float(ceiling[j])
+                why = f"{value / baseline[j]:.3g}x its running baseline {baseline[j]:.4g}"
+            findings.append(Finding("exploding", names[j], w.steps[t], value, threshold, why))
+
+        # Update the running baseline with this window's medians, ignoring the
+        # windows that exploded so that a spike does not raise its own bar.
+        update = np.isfinite(window_median) & ~over.any(axis=0)
+        self.baseline[update] = np.fmax(self.baseline[update], window_median[update])
+
+        # When the whole model explodes, one alert for the model, not one per layer.
+        layer_hits = [f for f in findings if f.layer]
+        model_hit = [f for f in findings if not f.layer]
+        if model_hit and len(layer_hits) >= max(2, len(self.layers) // 2):
+            model_hit[0].detail += f"; {len(layer_hits)} of {len(self.layers)} layers exceed their ceilings"
+            return model_hit
+        return findings
+
+    def _vanishing(self, w: Window, valid: np.ndarray) -> list[Finding]:
+        cfg = self.config
+        rms = np.where(valid, w.grad_rms, np.nan)
+        with np.errstate(all="ignore"):
+            strongest = np.nanmax(rms, axis=1, initial=-np.inf, where=~np.isnan(rms))
+            strongest = np.where(np.isfinite(strongest) & (strongest > 0), strongest, np.nan)
+            ratio = rms / strongest[:, None]
+            med_rms = np.nanmedian(rms, axis=0)
+            med_ratio = np.nanmedian(ratio, axis=0)
+            med_strongest = np.nanmedian(strongest)
+        findings = []
+        for i in range(len(self.layers)):
+            if np.isnan(med_rms[i]):
+                continue  # no gradient in this window: frozen or unused, not vanishing
+            below_abs = med_rms[i] < cfg.vanishing_abs_rms
+            below_rel = np.isfinite(med_ratio[i]) and med_ratio[i] < cfg.vanishing_rel_rms
+            if below_abs or below_rel:
+                rel_floor = cfg.vanishing_rel_rms * med_strongest if np.isfinite(med_strongest) else 0.0
+                threshold = max(cfg.vanishing_abs_rms, rel_floor)
+                detail = (
+                    f"gradient RMS {med_rms[i]:.3g} is {med_ratio[i]:.3g} of the strongest layer's"
+                    if np.isfinite(med_ratio[i])
+                    else "gradient is zero"
+                )
+                findings.append(
+                    Finding("vanishing", self.layers[i], w.steps[-1], float(med_rms[i]), threshold, detail)
+                )
+        return findings
+
+    def _dead(self, w: Window) -> list[Finding]:
+        cfg = self.config
+        findings = []
+        for i in np.flatnonzero(np.nan_to_num(w.dead_fraction, nan=-1.0) >= cfg.dead_fraction):
+            if w.unit_counts[i] < cfg.dead_min_units:
+                continue
+            findings.append(
+                Finding(
+                    "dead_units",
+                    self.layers[i],
+                    w.steps[-1],
+                    float(w.dead_fraction[i]),
+                    cfg.dead_fraction,
+                    f"{w.dead_fraction[i]:.0%} of its units had zero output gradient for every sample "
+                    f"in steps {w.steps[0]}-{w.steps[-1]}",
+                )
+            )
+        return findings
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "layers": list(self.layers),
+            "baseline": [None if np.isnan(b) else float(b) for b in self.baseline],
+            "steps_seen": self.steps_seen,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        by_name = dict(zip(state["layers"] + [""], state["baseline"]))
+        self.baseline = np.array(
+            [np.nan if by_name.get(n) is None else by_name[n] for n in self.layers + [""]],
+            dtype=float,
+        )
+        self.steps_seen = int(state["steps_seen"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def _first_in(order: list[int], mask: np.ndarray, reverse_default: bool = False) -> int:
+    for i in order:
+        if mask[i]:
+            return int(i)
+    hits = np.flatnonzero(mask)
+    return int(hits[-1] if reverse_default else hits[0])

@@ -1,0 +1,69 @@
+"""Module hooks that see each layer's output and its gradient.
+
+Design: a forward hook registers a *tensor* hook on the layer's output instead
+of using ``register_full_backward_hook``. Full backward hooks wrap the output
+in ``BackwardHookFunction``; an in-place op after the module (``ReLU(inplace=True)``,
+``out += identity``) then fails with "Output 0 of BackwardHookFunctionBackward
+is a view and is being modified inplace" (pytorch#61519), and outputs that are
+dicts are silently skipped. A tensor hook registered before an in-place op
+receives the gradient of the pre-in-place value, works for any output
+structure, and costs one Python call per module call.
+
+The hooks do as little Python as possible: the forward hook folds a
+non-finite flag of the output into a 0-d accumulator and registers the
+tensor hook; the tensor hook computes the per-unit L2 norm of the output
+gradient (one pass over the gradient) and appends it to a list that
+``Recorder.fold`` reduces with a handful of fused ops at step time.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from .layers import LayerSpec, first_grad_tensor
+
+if TYPE_CHECKING:
+    from .recorder import Recorder
+
+log = logging.getLogger("gradwatch")
+
+
+class HookSet:
+    """The forward hooks gradwatch registered; ``remove()`` takes every one of them off."""
+
+    def __init__(self, layers: list[LayerSpec], recorder: "Recorder") -> None:
+        self._handles: list[RemovableHandle] = []
+        for index, layer in enumerate(layers):
+            hook = _make_forward_hook(index, layer, recorder)
+            self._handles.append(layer.module.register_forward_hook(hook))
+
+    def remove(self) -> None:
+        """Remove every hook; idempotent."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+
+def _make_forward_hook(index: int, layer: LayerSpec, recorder: "Recorder") -> Callable:
+    grad_enabled = torch.is_grad_enabled
+    tensor_type = torch.Tensor
+    on_forward = recorder.on_forward
+
+    def forward_hook(module: torch.nn.Module, args: object, output: object) -> None:
+        if not grad_enabled() or not recorder.active:
+            return
+        try:
+            out = output if type(output) is tensor_type else first_grad_tensor(output)
+            if out is not None:
+                on_forward(index, out)
+        except Exception as exc:  # a monitor must never break training
+            recorder.hook_failed(layer.name, exc)
+
+    return forward_hook

@@ -1,0 +1,136 @@
+"""Which modules gradwatch monitors, and what their units are."""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+ROOT_NAME = "<root>"
+
+# Modules whose output features live in dim 1 (N, C, ...): convolutions and
+# per-channel normalisations. Every other module's units are its last dim.
+_CHANNEL_FIRST = (
+    nn.modules.conv._ConvNd,
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.GroupNorm,
+)
+
+
+@dataclass
+class LayerSpec:
+    """One monitored layer: a module, its qualified name and the parameters it owns."""
+
+    name: str
+    module: nn.Module
+    params: list[nn.Parameter]
+    channel_first: bool
+
+    def unit_dim(self, ndim: int) -> int:
+        """Index of the unit dimension in an output with ``ndim`` dims."""
+        if ndim == 0:
+            return -1
+        if self.channel_first and ndim >= 2:
+            return 1
+        return ndim - 1
+
+
+def _as_patterns(value: str | Sequence[str] | None, arg: str) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    patterns = list(value)
+    if not all(isinstance(p, str) for p in patterns):
+        raise TypeError(f"{arg} must be a glob pattern or a list of glob patterns, got {value!r}")
+    return patterns
+
+
+def discover_layers(
+    model: nn.Module,
+    include: str | Sequence[str] | None = None,
+    exclude: str | Sequence[str] | None = None,
+) -> list[LayerSpec]:
+    """Return the layers of ``model`` to monitor, in module order.
+
+    A layer is a module with trainable parameters of its own; a parameter shared
+    by several modules belongs to the first one. ``include``/``exclude`` are
+    ``fnmatch`` patterns on qualified module names; a pattern that selects no
+    layer raises ``ValueError``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"gradwatch monitors a torch.nn.Module, got {type(model).__name__}; "
+            "pass the model itself (for Lightning, use the GradWatch callback)"
+        )
+    include_p = _as_patterns(include, "include")
+    exclude_p = _as_patterns(exclude, "exclude")
+
+    seen: set[int] = set()
+    candidates: list[LayerSpec] = []
+    for name, module in model.named_modules():
+        own = []
+        for p in module.parameters(recurse=False):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                own.append(p)
+        if own:
+            candidates.append(
+                LayerSpec(name or ROOT_NAME, module, own, isinstance(module, _CHANNEL_FIRST))
+            )
+    if not candidates:
+        raise ValueError(
+            f"{type(model).__name__} has no parameters that require grad, so there is no "
+            "gradient to monitor; attach gradwatch to the model you train"
+        )
+
+    names = [c.name for c in candidates]
+    if include_p is not None:
+        _check_patterns(include_p, names, "include")
+        candidates = [c for c in candidates if _matches(c.name, include_p)]
+    if exclude_p is not None:
+        _check_patterns(exclude_p, [c.name for c in candidates], "exclude")
+        candidates = [c for c in candidates if not _matches(c.name, exclude_p)]
+    if not candidates:
+        raise ValueError(
+            f"include={include_p!r} / exclude={exclude_p!r} leave no layer to monitor; "
+            f"the layers are: {', '.join(names)}"
+        )
+    return candidates
+
+
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _check_patterns(patterns: list[str], names: list[str], arg: str) -> None:
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if unmatched:
+        shown = ", ".join(names[:20]) + (" ..." if len(names) > 20 else "")
+        raise ValueError(
+            f"{arg} pattern(s) {unmatched!r} match no layer; patterns are fnmatch globs on "
+            f"qualified module names, and the layers with trainable parameters are: {shown}"
+        )
+
+
+def first_grad_tensor(output: object) -> torch.Tensor | None:
+    """The first floating-point tensor in a module output (tensor, tuple, list, dict, namedtuple)."""
+    if isinstance(output, torch.Tensor):
+        return output if output.is_floating_point() else None
+    if isinstance(output, dict):
+        values: Iterable[object] = output.values()
+    elif isinstance(output, (tuple, list)):
+        values = output
+    elif hasattr(output, "to_tuple"):  # Hugging Face ModelOutput
+        values = output.to_tuple()
+    else:
+        return None
+    for item in values:
+        found = first_grad_tensor(item)
+        if found is not None:
+            return found
+    return None

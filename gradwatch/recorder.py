@@ -1,0 +1,239 @@
+"""Turns hook calls and gradients into on-device partial statistics.
+
+Nothing here reads a value back to the host: every op is enqueued on the
+training device and written into the ``StatBuffer`` row of the current step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .buffer import StatBuffer
+from .layers import LayerSpec
+from .param_stats import ParamStats
+
+log = logging.getLogger("gradwatch")
+
+# Step-level states, one row per step of the window ([flush_every, layers]).
+PARAM_SUMSQ = "param_sumsq"
+PARAM_MAX = "param_max"
+PARAM_NONFINITE = "param_nonfinite"
+OUT_SUMSQ = "out_sumsq"
+FWD_NONFINITE = "fwd_nonfinite"
+UNIT_SUMSQ = "unit_sumsq"  # per unit, accumulated over the window
+
+# Fold pending output-gradient norms into the buffer once this many are queued,
+# so that forward/backward without step() cannot grow memory.
+_MAX_PENDING_PER_LAYER = 16
+
+
+class Recorder:
+    """Collects one window of statistics for a fixed list of layers."""
+
+    def __init__(
+        self,
+        layers: list[LayerSpec],
+        flush_every: int,
+        device: torch.device,
+        scale_source: Callable[[], torch.Tensor | None],
+        param_reduce: str = "none",
+    ) -> None:
+        self.layers = layers
+        self.flush_every = flush_every
+        self.device = device
+        self.active = True
+        self._scale_source = scale_source
+        n = len(layers)
+        self.buffer = StatBuffer(device)
+        # Parameter gradients are identical on every data-parallel rank after
+        # backward; sharded (FSDP) runs declare them "sum"/"max" instead.
+        max_reduce = "max" if param_reduce == "sum" else param_reduce
+        self.buffer.add_state(PARAM_SUMSQ, (flush_every, n), param_reduce)  # type: ignore[arg-type]
+        self.buffer.add_state(PARAM_MAX, (flush_every, n), max_reduce)  # type: ignore[arg-type]
+        self.buffer.add_state(PARAM_NONFINITE, (flush_every, n), param_reduce)  # type: ignore[arg-type]
+        # Output gradients differ per rank: combined by sum like micro-batches.
+        self.buffer.add_state(OUT_SUMSQ, (flush_every, n), "sum")
+        self.buffer.add_state(FWD_NONFINITE, (flush_every, n), "sum")
+        self.buffer.add_state(UNIT_SUMSQ, (0,), "sum")
+
+        self.param_stats = ParamStats(layers)
+        self.slot = 0
+        # Host-side facts known without reading the device.
+        self.out_calls = np.zeros((flush_every, n), dtype=np.int64)
+        self.param_present = np.zeros((flush_every, n), dtype=np.int64)
+        self.forward_order: list[int] = []
+        self.backward_order: list[int] = []
+        self._backward_seen: set[int] = set()
+        # (forward order, backward order) of each step of the window, for naming
+        # the origin of non-finite values.
+        self.step_orders: list[tuple[list[int], list[int]]] = []
+        self.unit_offset: list[int | None] = [None] * n
+        self.unit_count: list[int] = [0] * n
+        self._fwd_acc = torch.zeros(n, dtype=torch.float32, device=device)
+        self._fwd_views = [self._fwd_acc[i] for i in range(n)]
+        self._pending: list[torch.Tensor] = []
+        self._pending_layer: list[int] = []
+        self._index_cache: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._grad_hooks: dict[tuple[int, int], Callable] = {}
+        self._failures: set[str] = set()
+
+    # ----------------------------------------------------------------- hooks
+    def on_forward(self, index: int, out: torch.Tensor) -> None:
+        """Called by the forward hook of layer ``index`` with its output."""
+        # 0 * sum(out) is 0 when the output is finite and NaN otherwise, so the
+        # accumulator ends up NaN exactly when some call produced a non-finite value.
+        self._fwd_views[index].add_(out.detach().sum(dtype=torch.float32), alpha=0.0)
+        if len(self.forward_order) < 4 * len(self.layers):
+            self.forward_order.append(index)
+        if out.requires_grad:
+            hook = self._grad_hooks.get((index, out.ndim))
+            if hook is None:
+                hook = self._make_grad_hook(index, out)
+            out.register_hook(hook)
+
+    def _make_grad_hook(self, index: int, out: torch.Tensor) -> Callable:
+        layer = self.layers[index]
+        ndim = out.ndim
+        unit_dim = layer.unit_dim(ndim)
+        units = int(out.shape[unit_dim]) if ndim else 1
+        if self.unit_offset[index] is None:
+            self._add_units(index, units)
+        elif self.unit_count[index] != units:
+            raise RuntimeError(
+                f"layer {layer.name} produced outputs with {units} and {self.unit_count[index]} units"
+            )
+        dims = tuple(d for d in range(ndim) if d != unit_dim)
+        pending, pending_layer = self._pending, self._pending_layer
+        norm = torch.linalg.vector_norm
+        f32 = torch.float32
+        limit = _MAX_PENDING_PER_LAYER * len(self.layers)
+
+        if ndim >= 2:
+
+            def grad_hook(grad: torch.Tensor) -> None:
+                try:
+                    pending.append(norm(grad, 2, dims, dtype=f32))
+                    pending_layer.append(index)
+                    if len(pending) > limit:
+                        self.fold()
+                except Exception as exc:
+                    self.hook_failed(layer.name, exc)
+
+        else:
+
+            def grad_hook(grad: torch.Tensor) -> None:
+                try:
+                    pending.append(grad.detach().abs().reshape(-1).to(f32))
+                    pending_layer.append(index)
+                    if len(pending) > limit:
+                        self.fold()
+                except Exception as exc:
+                    self.hook_failed(layer.name, exc)
+
+        self._grad_hooks[(index, ndim)] = grad_hook
+        return grad_hook
+
+    def _add_units(self, index: int, units: int) -> None:
+        total = self.buffer[UNIT_SUMSQ].numel()
+        self.unit_offset[index] = total
+        self.unit_count[index] = units
+        self.buffer.add_state(UNIT_SUMSQ, (total + units,), "sum")
+
+    def hook_failed(self, where: str, exc: BaseException) -> None:
+        """A hook raised: warn once per layer and keep training going."""
+        key = f"{where}:{type(exc).__name__}"
+        if key not in self._failures:
+            self._failures.add(key)
+            log.warning(
+                "gradwatch: internal error in the hook of layer %s (%s: %s); "
+                "its statistics may be incomplete, training continues",
+                where,
+                type(exc).__name__,
+                exc,
+            )
+
+    # ------------------------------------------------------------------ step
+    def fold(self) -> None:
+        """Reduce the queued output-gradient norms into the current step's row."""
+        if not self._pending:
+            return
+        pending, layers_of = self._pending, self._pending_layer
+        np.add.at(self.out_calls[self.slot], layers_of, 1)
+        seen = self._backward_seen
+        for i in layers_of:
+            if i not in seen:
+                seen.add(i)
+                self.backward_order.append(i)
+        key = tuple(layers_of)
+        idx = self._index_cache.get(key)
+        if idx is None:
+            idx = self._build_index(key, pending)
+        unit_idx, layer_idx = idx
+        squares = torch.cat(pending).square_()
+        scale = self._scale_source()
+        if scale is not None:
+            squares.div_(scale.to(squares.dtype).square())
+        self.buffer[UNIT_SUMSQ].index_add_(0, unit_idx, squares)
+        self.buffer[OUT_SUMSQ][self.slot].index_add_(0, layer_idx, squares)
+        pending.clear()
+        layers_of.clear()
+
+    def _build_index(
+        self, key: tuple[int, ...], pending: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        unit_idx = []
+        layer_idx = []
+        for layer, norms in zip(key, pending):
+            offset = self.unit_offset[layer]
+            assert offset is not None
+            n = norms.numel()
+            unit_idx.append(np.arange(offset, offset + n))
+            layer_idx.append(np.full(n, layer))
+        idx = (
+            torch.as_tensor(np.concatenate(unit_idx), device=self.device),
+            torch.as_tensor(np.concatenate(layer_idx), device=self.device),
+        )
+        if len(self._index_cache) < 64:
+            self._index_cache[key] = idx
+        return idx
+
+    def record_step(self) -> None:
+        """Write this step's statistics into the current row; no host sync."""
+        self.fold()
+        row = self.slot
+        present = self.param_stats.record(
+            self.buffer[PARAM_SUMSQ][row],
+            self.buffer[PARAM_MAX][row],
+            self.buffer[PARAM_NONFINITE][row],
+        )
+        self.param_present[row] = present
+        self.buffer[FWD_NONFINITE][row].copy_(self._fwd_acc.isnan())
+        self._fwd_acc.zero_()
+        self.step_orders.append((_first_seen(self.forward_order), self.backward_order))
+        self.forward_order = []
+        self.backward_order = []
+        self._backward_seen = set()
+        self.slot += 1
+
+    def reset_window(self) -> None:
+        """Start an empty window (after a flush)."""
+        self.buffer.zero_()
+        self.out_calls[:] = 0
+        self.param_present[:] = 0
+        self.step_orders = []
+        self.slot = 0
+
+    def discard_pending(self) -> None:
+        """Forget hook results that no step() will claim (e.g. on close)."""
+        self._pending.clear()
+        self._pending_layer.clear()
+        self._fwd_acc.zero_()
+
+
+def _first_seen(order: list[int]) -> list[int]:
+    seen: set[int] = set()
+    return [i for i in order if not (i in seen or seen.add(i))]

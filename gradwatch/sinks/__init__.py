@@ -1,0 +1,1 @@
+"""Where flushed statistics and alerts go (TensorBoard; alerts also go to logging)."""
