@@ -1,0 +1,48 @@
+"""Shared helpers: reading TensorBoard event files back, small models."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections import defaultdict
+
+import pytest
+import torch
+from torch import nn
+
+
+def read_scalars(logdir: str) -> dict[str, dict[int, float]]:
+    """Every scalar under ``logdir`` as {tag: {step: value}}, read with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, dict[int, float]] = defaultdict(dict)
+    files = glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"), recursive=True)
+    assert files, f"no event files under {logdir}"
+    for path in files:
+        acc = EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 0})
+        acc.Reload()
+        for name in acc.Tags()["scalars"]:
+            for event in acc.Scalars(name):
+                out[name][event.step] = event.value
+    return dict(out)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+class TwoBranch(nn.Module):
+    """A model whose forward calls one layer twice and uses keyword arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.shared = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        h = torch.tanh(self.shared(h))
+        h = torch.tanh(self.shared(input=h))
+        return self.head(h)

@@ -1,0 +1,184 @@
+"""No host sync between flushes, clean removal, clear errors on bad input."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gradwatch import GradMonitor, HealthConfig
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts ops that read a device value back to the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        is_d2h = func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None and (
+            torch.device(kwargs["device"]).type == "cpu" and args[0].device.type != "cpu"
+        )
+        if func is torch.ops.aten._local_scalar_dense.default or is_d2h:
+            self.count += 1
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def count_host_reads(monkeypatch):
+    """Dispatch-level sync counter plus counting wrappers on the Python-level escapes."""
+    counter = SyncCounter()
+    for method in ("item", "tolist", "numpy", "cpu"):
+        original = getattr(torch.Tensor, method)
+
+        def wrapper(self, *a, _orig=original, _name=method, **k):
+            counter.count += 1
+            counter.ops.append(f"Tensor.{_name}")
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, method, wrapper)
+    with counter:
+        yield counter
+    monkeypatch.undo()
+
+
+def _train(model, opt, monitor, steps, monkeypatch, micro_batches=2):
+    counts = []
+    for _ in range(steps):
+        with count_host_reads(monkeypatch) as c:
+            for _ in range(micro_batches):
+                out = model(torch.randn(8, 3, 8, 8))
+                out.square().mean().backward()
+            if monitor is not None:
+                monitor.step()
+            opt.step()
+            opt.zero_grad()
+        counts.append((c.count, list(c.ops)))
+    return counts
+
+
+def _cnn():
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(inplace=True),
+        nn.Flatten(),
+        nn.Linear(4 * 64, 5),
+    )
+
+
+def test_counter_detects_a_sync(monkeypatch):
+    with count_host_reads(monkeypatch) as c:
+        torch.ones(2).sum().item()
+    assert c.count >= 1  # the probe is not vacuous
+
+
+def test_no_host_sync_between_flushes(monkeypatch):
+    torch.manual_seed(0)
+    model = _cnn()
+    opt = torch.optim.Adam(model.parameters())
+    baseline = _train(model, opt, None, 3, monkeypatch)
+    monitor = GradMonitor(model, flush_every=5)
+    _train(model, opt, monitor, 5, monkeypatch)  # warm up: first window, caches built, one flush
+    monitored = _train(model, opt, monitor, 4, monkeypatch)  # steps 5..8: none of them flushes
+    base_count = max(c for c, _ in baseline)
+    for count, ops in monitored:
+        assert count <= base_count, f"gradwatch read the device back between flushes: {ops}"
+    monitor.close()
+
+
+def test_close_removes_every_hook_and_releases_model():
+    model = _cnn()
+    before = {
+        n: (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+        for n, m in model.named_modules()
+    }
+    monitor = GradMonitor(model, flush_every=2)
+    assert any(len(m._forward_hooks) for m in model.modules())
+    for _ in range(3):
+        model(torch.randn(2, 3, 8, 8)).sum().backward()
+        monitor.step()
+        model.zero_grad()
+    monitor.close()
+    monitor.close()  # idempotent
+    after = {
+        n: (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+        for n, m in model.named_modules()
+    }
+    assert after == before
+    for p in model.parameters():
+        assert not p._backward_hooks
+        assert not getattr(p, "_post_accumulate_grad_hooks", None)
+    ref = weakref.ref(model)
+    del model, p
+    gc.collect()
+    assert ref() is None
+    assert monitor.layers  # the monitor itself stays usable for reading
+
+
+def test_context_manager_closes():
+    model = nn.Linear(3, 1)
+    with GradMonitor(model) as monitor:
+        model(torch.randn(2, 3)).sum().backward()
+        monitor.step()
+    assert not model._forward_hooks
+    with pytest.raises(RuntimeError, match="closed"):
+        monitor.step()
+
+
+def test_bad_input_errors_name_the_problem():
+    with pytest.raises(TypeError, match="nn.Module"):
+        GradMonitor(object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="flush_every"):
+        GradMonitor(nn.Linear(2, 2), flush_every=0)
+    with pytest.raises(ValueError, match="flush_every"):
+        GradMonitor(nn.Linear(2, 2), flush_every=2.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"nope\*"):
+        GradMonitor(nn.Sequential(nn.Linear(2, 2)), include=["0", "nope*"])
+    with pytest.raises(ValueError, match="gone"):
+        GradMonitor(nn.Sequential(nn.Linear(2, 2)), exclude="gone")
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameters that require grad"):
+        GradMonitor(frozen)
+    with pytest.raises(ValueError, match="no parameters that require grad"):
+        GradMonitor(nn.ReLU())
+    with pytest.raises(TypeError, match="HealthConfig"):
+        GradMonitor(nn.Linear(2, 2), config={"dead_fraction": 0.5})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="logdir.*writer|writer.*logdir"):
+        GradMonitor(nn.Linear(2, 2), logdir="x", writer=object())
+    with pytest.raises(TypeError, match="GradScaler"):
+        GradMonitor(nn.Linear(2, 2), scaler=object())
+
+
+def test_failing_hook_warns_once_and_training_goes_on(caplog, monkeypatch):
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    monitor = GradMonitor(model, flush_every=2)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("forced failure")
+
+    monkeypatch.setattr(monitor._recorder, "on_forward", broken)
+    monitor._hooks.remove()  # re-register so the hooks pick up the broken method
+    from gradwatch.hooks import HookSet
+
+    monitor._hooks = HookSet(monitor._layer_specs, monitor._recorder)
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        for _ in range(4):
+            model(torch.randn(2, 3)).sum().backward()
+            monitor.step()
+            model.zero_grad()
+    failures = [r for r in caplog.records if "forced failure" in r.getMessage()]
+    assert len(failures) == 2  # once per layer, not once per call
+    assert model[0].weight.grad is None  # training loop ran to the end (zero_grad set None)
+    monitor.close()

@@ -1,0 +1,250 @@
+"""Statistic values against an independent computation, read back from the event files."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from gradwatch import GradMonitor
+
+from .conftest import TwoBranch, read_scalars
+
+
+class OutputGradCapture:
+    """Independent reference: retain_grad on every call's output of the watched modules."""
+
+    def __init__(self, modules: dict[str, nn.Module]) -> None:
+        self.outputs: dict[str, list[torch.Tensor]] = {n: [] for n in modules}
+        self.handles = [
+            m.register_forward_hook(lambda mod, a, out, n=n: self._keep(n, out)) for n, m in modules.items()
+        ]
+
+    def _keep(self, name: str, out: torch.Tensor) -> None:
+        out.retain_grad()
+        self.outputs[name].append(out)
+
+    def sumsq(self, name: str) -> float:
+        return sum(float(o.grad.double().pow(2).sum()) for o in self.outputs[name] if o.grad is not None)
+
+    def clear(self) -> None:
+        for v in self.outputs.values():
+            v.clear()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _expected_param_stats(model: nn.Module, layers: dict[str, nn.Module]) -> dict[str, dict[str, float]]:
+    out = {}
+    total = 0.0
+    for name, module in layers.items():
+        grads = [p.grad for p in module.parameters(recurse=False) if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        norm = float(torch.linalg.vector_norm(flat.double()))
+        total += norm**2
+        out[name] = {
+            "grad_norm": norm,
+            "grad_max": float(flat.abs().max()),
+            "nonfinite": float((~torch.isfinite(flat)).sum()),
+        }
+    out[""] = {"grad_norm": math.sqrt(total)}
+    return out
+
+
+def _check(scalars, tag, step, expected, rel=2e-5):
+    assert tag in scalars, f"missing tag {tag}; have {sorted(scalars)[:10]}..."
+    assert step in scalars[tag], f"{tag} has no value at step {step}"
+    assert scalars[tag][step] == pytest.approx(expected, rel=rel, abs=1e-12), (tag, step)
+
+
+@pytest.mark.parametrize("use_scaler", [False, True], ids=["fp32", "gradscaler"])
+def test_every_statistic_at_every_step_matches_independent_computation(tmp_path, use_scaler):
+    model = TwoBranch()
+    layers = {"inp": model.inp, "shared": model.shared, "head": model.head}
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2) if use_scaler else None
+    monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=4, scaler=scaler)
+    assert monitor.layers == ["inp", "shared", "head"]
+    capture = OutputGradCapture(layers)
+    expected: dict[int, dict] = {}
+    steps = 10  # 2 full windows and a partial one flushed by close()
+    for step in range(steps):
+        for _ in range(3):  # three micro-batches per optimizer step
+            x, y = torch.randn(5, 6), torch.randn(5, 3)
+            loss = nn.functional.mse_loss(model(x), y) / 3
+            (scaler.scale(loss) if scaler else loss).backward()
+        scale = 1.0
+        if scaler:
+            scale = float(scaler.get_scale())
+            scaler.unscale_(opt)
+        exp = _expected_param_stats(model, layers)
+        for name in layers:
+            exp[name]["out_grad_norm"] = math.sqrt(capture.sumsq(name)) / scale
+        expected[step] = exp
+        capture.clear()
+        monitor.step()
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+    monitor.close()
+    capture.remove()
+
+    if scaler:  # the scale really changed during the run, so unscaling was exercised
+        assert len({round(v["inp"]["out_grad_norm"], 9) for v in expected.values()}) == steps
+
+    scalars = read_scalars(str(tmp_path))
+    for step, exp in expected.items():
+        for name in layers:
+            for stat in ("grad_norm", "grad_max", "nonfinite", "out_grad_norm"):
+                _check(scalars, f"gradwatch/{stat}/{name}", step, exp[name][stat])
+        _check(scalars, "gradwatch/global/grad_norm", step, exp[""]["grad_norm"])
+    assert len(scalars["gradwatch/grad_norm/inp"]) == steps
+
+
+def test_nonfinite_counts_match(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=2)
+    model(torch.randn(3, 4)).sum().backward()
+    with torch.no_grad():
+        model[2].weight.grad[0, :3] = float("nan")
+        model[2].weight.grad[1, 0] = float("inf")
+    expected = int((~torch.isfinite(model[2].weight.grad)).sum())
+    monitor.step()
+    model.zero_grad()
+    model(torch.randn(3, 4)).sum().backward()
+    monitor.step()
+    monitor.close()
+    scalars = read_scalars(str(tmp_path))
+    assert expected == 4
+    assert scalars["gradwatch/nonfinite/2"][0] == expected
+    assert scalars["gradwatch/nonfinite/0"][0] == 0
+    assert scalars["gradwatch/nonfinite/2"][1] == 0
+
+
+def test_dead_fraction_written_once_per_window(tmp_path):
+    lin = nn.Linear(8, 10)
+    with torch.no_grad():
+        lin.bias[:4] = -100.0  # 4 of 10 units never activate: 40% dead
+    model = nn.Sequential(lin, nn.ReLU(), nn.Linear(10, 1))
+    monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=5)
+    for _ in range(10):
+        model(torch.randn(16, 8).abs()).sum().backward()
+        monitor.step()
+        model.zero_grad()
+    monitor.close()
+    dead = read_scalars(str(tmp_path))["gradwatch/dead_fraction/0"]
+    assert dead == {4: pytest.approx(0.4), 9: pytest.approx(0.4)}
+
+
+def test_module_called_several_times_contributes_every_call(tmp_path):
+    model = TwoBranch()
+    capture = OutputGradCapture({"shared": model.shared})
+    monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=1)
+    model(torch.randn(4, 6)).sum().backward()
+    assert len(capture.outputs["shared"]) == 2
+    expected = math.sqrt(capture.sumsq("shared"))
+    monitor.step()
+    monitor.close()
+    assert read_scalars(str(tmp_path))["gradwatch/out_grad_norm/shared"][0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_tied_parameters_count_once():
+    emb = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = nn.Sequential(emb, head)
+    monitor = GradMonitor(model)
+    assert monitor.layers == ["0"]  # the head owns nothing of its own
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    monitor.step()
+    monitor.flush()
+    w = monitor.last_window
+    assert w.grad_norm[0, 0] == pytest.approx(float(torch.linalg.vector_norm(emb.weight.grad)), rel=1e-5)
+    monitor.close()
+
+
+def test_nothing_recorded_under_no_grad_or_inference():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    monitor = GradMonitor(model, flush_every=10)
+    with torch.no_grad():
+        out = model(torch.randn(2, 4))
+    with torch.inference_mode():
+        model(torch.randn(2, 4))
+    assert not out.requires_grad
+    rec = monitor._recorder
+    assert rec.forward_order == [] and rec._pending == []
+    monitor.close()
+
+
+def test_frozen_and_unused_layers_report_no_gradient(tmp_path):
+    class Partly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = nn.Linear(3, 3)
+            self.unused = nn.Linear(3, 3)
+            self.frozen = nn.Linear(3, 3)
+            self.frozen.requires_grad_(False)
+
+        def forward(self, x):
+            return self.frozen(self.used(x))
+
+    model = Partly()
+    monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=2)
+    assert monitor.layers == ["used", "unused"]
+    for _ in range(2):
+        model(torch.randn(2, 3)).sum().backward()
+        monitor.step()
+        model.zero_grad()
+    monitor.close()
+    scalars = read_scalars(str(tmp_path))
+    assert set(scalars["gradwatch/grad_norm/used"]) == {0, 1}
+    assert "gradwatch/grad_norm/unused" not in scalars
+    assert monitor.alerts == []
+
+
+def test_include_exclude_select_layers():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    assert GradMonitor(model, include="1.*").layers == ["1.0", "1.1"]
+    assert GradMonitor(model, exclude=["1.1"]).layers == ["0", "1.0"]
+
+
+def test_buffer_memory_does_not_grow():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    monitor = GradMonitor(model, flush_every=3)
+    sizes = []
+    for _ in range(12):
+        model(torch.randn(2, 4)).sum().backward()
+        monitor.step()
+        model.zero_grad()
+        sizes.append(monitor.buffer_bytes)
+    assert len(set(sizes)) == 1
+    # O(layers x statistics x flush_every) + O(units): 2 layers x 5 stats x 3 steps + 9 units.
+    assert sizes[0] == 4 * (2 * 5 * 3 + 8 + 1)
+    monitor.close()
+
+
+def test_step_numbers_and_state_dict_round_trip(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    monitor = GradMonitor(model, logdir=str(tmp_path / "a"), flush_every=2)
+    for step in range(100, 104):
+        model(torch.randn(2, 4)).sum().backward()
+        monitor.step(step)
+        model.zero_grad()
+    state = monitor.state_dict()
+    monitor.close()
+    assert state["next_step"] == 104
+    resumed = GradMonitor(model, logdir=str(tmp_path / "b"), flush_every=2)
+    resumed.load_state_dict(state)
+    model(torch.randn(2, 4)).sum().backward()
+    resumed.step()
+    resumed.close()
+    assert list(read_scalars(str(tmp_path / "b"))["gradwatch/grad_norm/0"]) == [104]
+    # 4 steps of history came back with the state, plus the one recorded after resuming.
+    assert resumed._checks.steps_seen == 5
