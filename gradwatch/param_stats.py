@@ -1,9 +1,17 @@
 """Fused reductions over the layers' parameter gradients, as they stand at step().
 
 In the manner of ``torch.nn.utils.clip_grad``: gradients are grouped by device
-and dtype and reduced with ``torch._foreach_*`` kernels, then scattered into
-per-layer rows with one ``index_add_``/``index_reduce_`` each. No value is read
-back to the host.
+and dtype and reduced with ``torch._foreach_*`` kernels (one launch per group
+on accelerators), then scattered into per-layer rows with one ``index_add_`` /
+``scatter_reduce_`` each. Nothing is copied from an accelerator to the host.
+
+Non-finite counts: a tensor's sum of squares is finite exactly when all its
+elements are finite, so the count is zero for free in the common case. On an
+accelerator the count is computed every step (a cheap fused kernel there). On
+the CPU, where an exact count costs 2-3 passes over every gradient, the sums
+of squares are written into a tensor that shares memory with a numpy array;
+reading it is a plain memory read of host memory, not a device sync, and the
+count pass runs only for tensors whose sum of squares is not finite.
 """
 
 from __future__ import annotations
@@ -18,27 +26,33 @@ from .layers import LayerSpec
 _INF = float("inf")
 
 
-def _foreach_sq_norm(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+def _sq_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-tensor sum of squares, accumulated in float32."""
+    if grads[0].device.type == "cpu" and grads[0].dtype == torch.float32:
+        # On CPU a BLAS dot is faster than the foreach norm kernel and gives the
+        # sum of squares directly.
+        return [torch.dot(v, v) for v in (g.reshape(-1) for g in grads)]
     try:
-        return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
     except TypeError:  # torch < 2.5 has no dtype argument
-        return [n.float() for n in torch._foreach_norm([g.float() for g in grads], 2)]
+        norms = [n.float() for n in torch._foreach_norm([g.float() for g in grads], 2)]
+    return list(torch._foreach_mul(norms, norms))
 
 
-def _foreach_abs_max(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+def _abs_max(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor max |g| as one stacked tensor."""
     if grads[0].device.type == "cpu":
         # The CPU inf-norm kernel is ~8x slower than aminmax; one pass each.
-        out = []
-        for g in grads:
-            lo, hi = torch.aminmax(g)
-            out.append(torch.maximum(hi, -lo))
-        return out
-    return list(torch._foreach_norm(grads, _INF))
+        pairs = [torch.aminmax(g) for g in grads]
+        lo = torch.stack([p[0] for p in pairs])
+        hi = torch.stack([p[1] for p in pairs])
+        return torch.maximum(hi, lo.neg_())
+    return torch.stack(torch._foreach_norm(grads, _INF))
 
 
-def _foreach_nonfinite_count(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+def _nonfinite_counts(grads: list[torch.Tensor]) -> torch.Tensor:
     # g - g is 0 for finite values and NaN for NaN/Inf; the 0-"norm" counts the NaNs.
-    return list(torch._foreach_norm(torch._foreach_sub(grads, grads), 0))
+    return torch.stack(torch._foreach_norm(torch._foreach_sub(grads, grads), 0))
 
 
 class ParamStats:
@@ -53,6 +67,9 @@ class ParamStats:
                 self.param_layer.append(index)
         self.n_layers = len(layers)
         self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        # Host memory shared with a tensor (CPU path only, see module docstring).
+        self._cpu_sq = torch.zeros(len(self.params), dtype=torch.float32)
+        self._cpu_sq_view = self._cpu_sq.numpy()
 
     def record(
         self, sumsq_row: torch.Tensor, max_row: torch.Tensor, nonfinite_row: torch.Tensor
@@ -75,13 +92,24 @@ class ParamStats:
             owners.append(j)
             present[self.param_layer[j]] += 1
         device = sumsq_row.device
-        for (_, _), (grads, owners) in groups.items():
+        for (grad_device, _), (grads, owners) in groups.items():
             index = self._layer_index(tuple(owners), device)
-            sq = torch.stack(_foreach_sq_norm(grads)).to(device).square_()
-            mx = torch.stack(_foreach_abs_max(grads)).to(device=device, dtype=torch.float32)
-            nf = torch.stack(_foreach_nonfinite_count(grads)).to(device=device, dtype=torch.float32)
+            sq_list = _sq_norms(grads)
+            if grad_device.type == "cpu":
+                k = len(sq_list)
+                sq = torch.stack(sq_list, out=self._cpu_sq[:k]) if k else self._cpu_sq[:0]
+                bad = np.flatnonzero(~np.isfinite(self._cpu_sq_view[:k]))
+                if len(bad):
+                    counts = torch.zeros(k, dtype=torch.float32)
+                    counts[bad] = _nonfinite_counts([grads[b] for b in bad])
+                    nonfinite_row.index_add_(0, index, counts.to(device))
+                sq = sq.to(device)
+            else:
+                sq = torch.stack(sq_list).to(device=device, dtype=torch.float32)
+                nf = _nonfinite_counts(grads).to(device=device, dtype=torch.float32)
+                nonfinite_row.index_add_(0, index, nf)
+            mx = _abs_max(grads).to(device=device, dtype=torch.float32)
             sumsq_row.index_add_(0, index, sq)
-            nonfinite_row.index_add_(0, index, nf)
             max_row.scatter_reduce_(0, index, mx, "amax", include_self=True)
         return present
 

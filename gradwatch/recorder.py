@@ -79,6 +79,7 @@ class Recorder:
         self._pending_layer: list[int] = []
         self._index_cache: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._grad_hooks: dict[tuple[int, int], Callable] = {}
+        self._ones: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._failures: set[str] = set()
 
     # ----------------------------------------------------------------- hooks
@@ -106,33 +107,18 @@ class Recorder:
             raise RuntimeError(
                 f"layer {layer.name} produced outputs with {units} and {self.unit_count[index]} units"
             )
-        dims = tuple(d for d in range(ndim) if d != unit_dim)
         pending, pending_layer = self._pending, self._pending_layer
-        norm = torch.linalg.vector_norm
-        f32 = torch.float32
         limit = _MAX_PENDING_PER_LAYER * len(self.layers)
+        per_unit = _per_unit_sumsq_fn(ndim, unit_dim, units, self._ones)
 
-        if ndim >= 2:
-
-            def grad_hook(grad: torch.Tensor) -> None:
-                try:
-                    pending.append(norm(grad, 2, dims, dtype=f32))
-                    pending_layer.append(index)
-                    if len(pending) > limit:
-                        self.fold()
-                except Exception as exc:
-                    self.hook_failed(layer.name, exc)
-
-        else:
-
-            def grad_hook(grad: torch.Tensor) -> None:
-                try:
-                    pending.append(grad.detach().abs().reshape(-1).to(f32))
-                    pending_layer.append(index)
-                    if len(pending) > limit:
-                        self.fold()
-                except Exception as exc:
-                    self.hook_failed(layer.name, exc)
+        def grad_hook(grad: torch.Tensor) -> None:
+            try:
+                pending.append(per_unit(grad))
+                pending_layer.append(index)
+                if len(pending) > limit:
+                    self.fold()
+            except Exception as exc:
+                self.hook_failed(layer.name, exc)
 
         self._grad_hooks[(index, ndim)] = grad_hook
         return grad_hook
@@ -173,7 +159,7 @@ class Recorder:
         if idx is None:
             idx = self._build_index(key, pending)
         unit_idx, layer_idx = idx
-        squares = torch.cat(pending).square_()
+        squares = torch.cat(pending)
         scale = self._scale_source()
         if scale is not None:
             squares.div_(scale.to(squares.dtype).square())
@@ -237,3 +223,43 @@ class Recorder:
 def _first_seen(order: list[int]) -> list[int]:
     seen: set[int] = set()
     return [i for i in order if not (i in seen or seen.add(i))]
+
+
+def _per_unit_sumsq_fn(
+    ndim: int, unit_dim: int, units: int, ones_cache: dict[tuple[int, torch.device], torch.Tensor]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function mapping an output gradient to its per-unit sum of squares (float32).
+
+    Each variant reads the gradient once with a contiguous reduction; a strided
+    reduction over the batch dim (``vector_norm(g, dim=0)``) is ~5x slower on CPU.
+    """
+    f32 = torch.float32
+    norm = torch.linalg.vector_norm
+
+    if ndim <= 1:
+        return lambda g: g.detach().to(f32).square().reshape(-1)
+
+    if unit_dim == 1 and ndim >= 3:  # (N, C, *spatial): one norm per (sample, channel) row
+
+        def channels(g: torch.Tensor) -> torch.Tensor:
+            n = g.shape[0]
+            rows = norm(g.detach().reshape(n * units, -1), 2, 1, dtype=f32)
+            return rows.view(n, units).square_().sum(0)
+
+        return channels
+
+    # (*, U): units last; sum the squares of the rows with one matrix-vector product.
+    def last(g: torch.Tensor) -> torch.Tensor:
+        rows = g.detach().reshape(-1, units)
+        if rows.dtype != f32:
+            rows = rows.to(f32)
+        m = rows.shape[0]
+        key = (m, rows.device)
+        ones = ones_cache.get(key)
+        if ones is None:
+            ones = torch.ones(m, dtype=f32, device=rows.device)
+            if len(ones_cache) < 32:
+                ones_cache[key] = ones
+        return torch.mv(rows.square().t(), ones)
+
+    return last
