@@ -79,7 +79,11 @@ class HealthChecks:
             else:
                 origin = _first_in(bwd_order, grad_bad[t], reverse_default=True)
                 detail = f"origin: first non-finite gradient in backward order, in layer {w.layers[origin]}"
+            # The value is the number of non-finite gradient elements that step, or,
+            # when only outputs/output gradients were non-finite, the layers affected.
             count = float(np.nansum(w.nonfinite[t]))
+            if count == 0:
+                count = float(np.sum(fwd_bad[t] | grad_bad[t]))
             return [Finding("nonfinite", w.layers[origin], w.steps[t], count, 0.0, detail)]
         return []
 
@@ -91,22 +95,9 @@ class HealthChecks:
         table = np.concatenate([norms, glob[:, None]], axis=1)  # [steps, layers + 1]
         names = self.layers + [""]
 
-        with np.errstate(all="ignore"):
-            window_median = np.nanmedian(table, axis=0) if table.size else np.array([])
-        baseline = self.baseline.copy()
-        n_valid = np.sum(np.isfinite(table), axis=0)
-        use_window = (
-            np.isnan(baseline)
-            & (n_valid >= _MIN_STEPS_FOR_WINDOW_BASELINE)
-            & (self.steps_seen + len(w.steps) > cfg.exploding_warmup_steps)
-        )
-        baseline[use_window] = window_median[use_window]
-        if self.steps_seen < cfg.exploding_warmup_steps:
-            baseline[~use_window] = np.nan
-
+        ceiling = self._causal_ceilings(table)
         with np.errstate(invalid="ignore"):
-            ceiling = np.where(np.isnan(baseline), np.inf, cfg.exploding_factor * baseline)
-            over_rel = table > ceiling[None, :]
+            over_rel = table > ceiling
             over_abs = table > cfg.exploding_abs_norm
         over = over_rel | over_abs
         findings = []
@@ -116,13 +107,16 @@ class HealthChecks:
             if over_abs[t, j]:
                 threshold, why = cfg.exploding_abs_norm, "above the absolute ceiling"
             else:
-                threshold = float(ceiling[j])
-                why = f"{value / baseline[j]:.3g}x its running baseline {baseline[j]:.4g}"
+                threshold = float(ceiling[t, j])
+                base = threshold / cfg.exploding_factor
+                why = f"{value / base:.3g}x its baseline {base:.4g}"
             findings.append(Finding("exploding", names[j], w.steps[t], value, threshold, why))
 
-        # Update the running baseline with this window's medians, ignoring the
-        # windows that exploded so that a spike does not raise its own bar.
-        update = np.isfinite(window_median) & ~over.any(axis=0)
+        # Raise the running baseline to this window's median, leaving out the
+        # steps that exploded so that a spike does not raise its own bar.
+        calm = np.where(over, np.nan, table)
+        window_median = np.nanmedian(calm, axis=0)
+        update = np.isfinite(window_median)
         self.baseline[update] = np.fmax(self.baseline[update], window_median[update])
 
         # When the whole model explodes, one alert for the model, not one per layer.
@@ -180,6 +174,28 @@ class HealthChecks:
                 )
             )
         return findings
+
+    def _causal_ceilings(self, table: np.ndarray) -> np.ndarray:
+        """Per step and column: factor x max(history baseline, median of earlier steps).
+
+        Only earlier steps count, so a run whose gradients shrink fast (normal
+        early in training) never looks like it exploded at its first steps.
+        """
+        cfg = self.config
+        n = table.shape[0]
+        ceilings = np.full(table.shape, np.inf)
+        for t in range(n):
+            if self.steps_seen + t < cfg.exploding_warmup_steps:
+                continue
+            base = self.baseline.copy()
+            earlier = table[:t]
+            enough = np.sum(np.isfinite(earlier), axis=0) >= _MIN_STEPS_FOR_WINDOW_BASELINE
+            if enough.any():
+                med = np.nanmedian(earlier[:, enough], axis=0)
+                base[enough] = np.fmax(base[enough], med)
+            ok = np.isfinite(base) & (base > 0)
+            ceilings[t, ok] = cfg.exploding_factor * base[ok]
+        return ceilings
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,315 @@
+"""Health checks on pathologies made on purpose, and on healthy runs that must raise nothing."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from gradwatch import Alert, GradientHealthError, GradMonitor, HealthConfig
+
+
+def _train(model, monitor, steps, make_batch, loss_fn, lr=1e-3, opt=None, before_step=None, poison=None):
+    opt = opt or torch.optim.Adam(model.parameters(), lr=lr)
+    for step in range(steps):
+        x, y = make_batch()
+        loss = loss_fn(model(x), y)
+        if poison is not None:
+            loss = poison(step, loss)
+        loss.backward()
+        if before_step is not None:
+            before_step(step)
+        monitor.step()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    return monitor.alerts
+
+
+def _regression_batch(n_in=16, n_out=4, batch=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(n_in, n_out, generator=g) / n_in**0.5
+
+    def make():
+        x = torch.randn(batch, n_in)
+        return x, torch.tanh(x @ teacher)
+
+    return make
+
+
+def _kinds(alerts: list[Alert], kind: str) -> list[Alert]:
+    return [a for a in alerts if a.kind == kind]
+
+
+# ----------------------------------------------------------------- dead units
+def test_fully_dead_relu_layer_is_reported():
+    first = nn.Linear(16, 32)
+    with torch.no_grad():
+        first.bias.fill_(-100.0)
+    model = nn.Sequential(first, nn.ReLU(), nn.Linear(32, 4))
+    monitor = GradMonitor(model, flush_every=10)
+    alerts = _train(model, monitor, 20, _regression_batch(), nn.functional.mse_loss)
+    dead = _kinds(alerts, "dead_units")
+    assert [(a.layer, a.step, a.value) for a in dead] == [("0", 9, 1.0)]
+    assert dead[0].threshold == HealthConfig().dead_fraction
+    assert "0" in dead[0].message and "dead_units" in dead[0].message
+
+
+def test_half_dead_layer_has_half_dead_fraction():
+    first = nn.Linear(16, 32)
+    with torch.no_grad():
+        first.bias[:16] = -100.0
+    model = nn.Sequential(first, nn.ReLU(), nn.Linear(32, 4))
+    monitor = GradMonitor(model, flush_every=10)
+    _train(model, monitor, 10, _regression_batch(), nn.functional.mse_loss)
+    assert monitor.last_window.dead_fraction[0] == pytest.approx(0.5)
+    assert monitor.last_window.dead_fraction[1] == 0.0
+
+
+def test_persistent_dead_layer_logged_once_then_recovery_at_info(caplog):
+    first = nn.Linear(16, 32)
+    with torch.no_grad():
+        first.bias.fill_(-100.0)
+    model = nn.Sequential(first, nn.ReLU(), nn.Linear(32, 4))
+    monitor = GradMonitor(model, flush_every=5, config=HealthConfig(vanishing_abs_rms=0, vanishing_rel_rms=0))
+    make = _regression_batch()
+    with caplog.at_level(logging.INFO, logger="gradwatch"):
+        _train_no_close(model, monitor, 25, make)  # 5 windows, dead throughout
+        with torch.no_grad():
+            first.bias.fill_(0.5)  # revive it
+        _train_no_close(model, monitor, 5, make)
+        monitor.close()
+    dead_logs = [r for r in caplog.records if "dead_units" in r.getMessage() and r.levelno == logging.WARNING]
+    assert len(dead_logs) == 1
+    recovered = [r for r in caplog.records if "recovered" in r.getMessage()]
+    assert len(recovered) == 1 and recovered[0].levelno == logging.INFO
+    assert len(_kinds(monitor.alerts, "dead_units")) == 1
+
+
+def _train_no_close(model, monitor, steps, make):
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for _ in range(steps):
+        x, y = make()
+        nn.functional.mse_loss(model(x.abs()), y).backward()
+        monitor.step()
+        opt.zero_grad()
+
+
+# ------------------------------------------------------------------ vanishing
+def test_deep_sigmoid_stack_vanishes_in_first_layers_not_last():
+    layers = []
+    for _ in range(30):
+        lin = nn.Linear(32, 32)
+        nn.init.normal_(lin.weight, std=0.05)
+        nn.init.zeros_(lin.bias)
+        layers += [lin, nn.Sigmoid()]
+    model = nn.Sequential(*layers, nn.Linear(32, 4))
+    monitor = GradMonitor(model, flush_every=10)
+    alerts = _train(model, monitor, 10, _regression_batch(n_in=32), nn.functional.mse_loss, lr=1e-4)
+    vanishing = {a.layer for a in _kinds(alerts, "vanishing")}
+    assert "0" in vanishing and "2" in vanishing  # first layers
+    assert "60" not in vanishing and "58" not in vanishing  # head and last hidden layer
+    first = next(a for a in alerts if a.layer == "0")
+    assert first.value < first.threshold
+
+
+# ------------------------------------------------------------------ exploding
+def test_sudden_loss_spike_is_exploding_and_nothing_before():
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    monitor = GradMonitor(model, flush_every=10)
+    spike_at = 45
+    alerts = _train(
+        model,
+        monitor,
+        60,
+        _regression_batch(),
+        nn.functional.mse_loss,
+        poison=lambda step, loss: loss * 1e6 if step == spike_at else loss,
+    )
+    assert alerts, "the spike was not detected"
+    assert all(a.step >= spike_at for a in alerts)
+    exploding = _kinds(alerts, "exploding")
+    assert exploding and exploding[0].step == spike_at
+    assert exploding[0].value > exploding[0].threshold
+
+
+# ------------------------------------------------------------------ non-finite
+class Poisonable(nn.Linear):
+    poison_at: int | None = None
+    calls = 0
+
+    def forward(self, x):
+        out = super().forward(x)
+        if self.calls == self.poison_at:
+            out = out.clone()
+            out[0, 0] = float("nan")
+        self.calls += 1
+        return out
+
+
+def test_nan_in_one_forward_output_names_that_layer_and_step():
+    mid = Poisonable(32, 32)
+    mid.poison_at = 13
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), mid, nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 4))
+    monitor = GradMonitor(model, flush_every=5)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    make = _regression_batch()
+    for step in range(20):
+        x, y = make()
+        nn.functional.mse_loss(model(x), y).backward()
+        monitor.step()
+        if step != 13:  # keep the weights finite so only that step is affected
+            opt.step()
+        opt.zero_grad()
+    monitor.close()
+    nonfinite = _kinds(monitor.alerts, "nonfinite")
+    assert [(a.layer, a.step) for a in nonfinite] == [("2", 13)]
+    assert "forward" in nonfinite[0].message
+
+
+def test_inf_gradient_in_one_weight_names_that_layer_and_step(caplog):
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    monitor = GradMonitor(model, flush_every=5)
+
+    def inject(step):
+        if step == 7:
+            with torch.no_grad():
+                model[2].weight.grad[3, 4] = float("inf")
+
+    with caplog.at_level(logging.ERROR, logger="gradwatch"):
+        alerts = _train(
+            model, monitor, 10, _regression_batch(), nn.functional.mse_loss, opt=torch.optim.SGD(model.parameters(), lr=0.0), before_step=inject
+        )
+    nonfinite = _kinds(alerts, "nonfinite")
+    assert [(a.layer, a.step, a.value) for a in nonfinite] == [("2", 7, 1.0)]
+    assert any(r.levelno == logging.ERROR and "nonfinite" in r.getMessage() for r in caplog.records)
+
+
+def test_gradscaler_skipped_steps_are_not_alerts(caplog):
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    monitor = GradMonitor(model, flush_every=5, scaler=scaler)
+    make = _regression_batch()
+    with caplog.at_level(logging.INFO, logger="gradwatch"):
+        for step in range(10):
+            x, y = make()
+            loss = nn.functional.mse_loss(model(x), y)
+            if step in (2, 6):  # an overflow in the loss, as fp16 training meets it
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            monitor.step()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        monitor.close()
+    assert monitor.alerts == []
+    assert monitor._checks.skipped_steps == 2
+    assert float(scaler.get_scale()) == 2.0**14  # the scaler did skip (and back off) twice
+    assert any("skipped" in r.getMessage() for r in caplog.records)
+
+
+# --------------------------------------------------------------- healthy runs
+def _healthy_mlp():
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    return model, _regression_batch(), nn.functional.mse_loss
+
+
+def _healthy_cnn():
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3),
+    )  # fmt: skip
+    protos = torch.randn(3, 3, 8, 8)
+
+    def make():
+        y = torch.randint(0, 3, (16,))
+        return protos[y] + 0.5 * torch.randn(16, 3, 8, 8), y
+
+    return model, make, nn.functional.cross_entropy
+
+
+class _Transformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x):
+        return self.head(self.encoder(self.embed(x))).squeeze(-1)
+
+
+def _healthy_transformer():
+    def make():
+        x = torch.randn(8, 12, 8)
+        return x, x.sum(-1).cumsum(1) / 10
+
+    return _Transformer(), make, nn.functional.mse_loss
+
+
+class _LSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(4, 32, batch_first=True)
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x):
+        out, _ = self.lstm(x)
+        return self.head(out[:, -1]).squeeze(-1)
+
+
+def _healthy_lstm():
+    def make():
+        x = torch.randn(16, 10, 4)
+        return x, x[:, :, 0].sum(1) / 3
+
+    return _LSTM(), make, nn.functional.mse_loss
+
+
+@pytest.mark.parametrize("factory", [_healthy_mlp, _healthy_cnn, _healthy_transformer, _healthy_lstm],
+                         ids=["mlp-adam", "cnn-batchnorm", "transformer", "lstm"])
+def test_healthy_training_raises_nothing(factory):
+    model, make, loss_fn = factory()
+    monitor = GradMonitor(model, flush_every=25)
+    alerts = _train(model, monitor, 200, make, loss_fn, lr=1e-3)
+    assert alerts == [], [a.message for a in alerts]
+    # the run really trained and really was monitored
+    assert monitor._checks.steps_seen == 200
+
+
+# ------------------------------------------------------------ config & stop
+@pytest.mark.parametrize(
+    "field,value",
+    [("vanishing_abs_rms", -1.0), ("vanishing_rel_rms", 2.0), ("exploding_abs_norm", 0.0),
+     ("exploding_factor", 0.5), ("dead_fraction", 1.5), ("dead_eps", float("nan")),
+     ("remind_every", -1), ("exploding_warmup_steps", 1.5), ("stop_on", {"exploded"})],
+)  # fmt: skip
+def test_health_config_rejects_nonsense_naming_the_field(field, value):
+    with pytest.raises((ValueError, TypeError), match=field):
+        HealthConfig(**{field: value})
+
+
+def test_stop_on_raises_gradient_health_error_and_callbacks_get_alerts():
+    first = nn.Linear(16, 32)
+    with torch.no_grad():
+        first.bias.fill_(-100.0)
+    model = nn.Sequential(first, nn.ReLU(), nn.Linear(32, 4))
+    monitor = GradMonitor(model, flush_every=5, config=HealthConfig(stop_on=frozenset({"dead_units"})))
+    received: list[Alert] = []
+    monitor.add_alert_callback(received.append)
+    make = _regression_batch()
+    with pytest.raises(GradientHealthError) as info:
+        for _ in range(5):
+            x, y = make()
+            nn.functional.mse_loss(model(x), y).backward()
+            monitor.step()
+            model.zero_grad()
+    assert [a.kind for a in info.value.alerts] == ["dead_units"]
+    assert "dead_units" in {a.kind for a in received}
+    monitor.close()
