@@ -80,6 +80,8 @@ class GradMonitor:
             self._sink = TensorBoardSink(SummaryWriter(log_dir=str(logdir)), owns_writer=True)
         self._window_steps: list[int] = []
         self._next_step = 0
+        # Set by adapters when an optimizer leaves its gradients scaled at step().
+        self._params_scaled = False
         self._closed = False
         self._hooks = HookSet(self._layer_specs, self._recorder)
 
@@ -117,7 +119,7 @@ class GradMonitor:
             global_step = int(global_step)
         step = self._next_step if global_step is None else global_step
         try:
-            self._recorder.record_step()
+            self._recorder.record_step(params_scaled=self._params_scaled)
         except Exception as exc:  # never break a healthy run
             self._recorder.hook_failed("step()", exc)
             return []

@@ -187,8 +187,12 @@ class Recorder:
             self._index_cache[key] = idx
         return idx
 
-    def record_step(self) -> None:
-        """Write this step's statistics into the current row; no host sync."""
+    def record_step(self, params_scaled: bool = False) -> None:
+        """Write this step's statistics into the current row; no host sync.
+
+        ``params_scaled``: the parameter gradients still carry the loss scale
+        (an optimizer that unscales inside its own step, e.g. fused Adam).
+        """
         self.fold()
         row = self.slot
         present = self.param_stats.record(
@@ -196,6 +200,11 @@ class Recorder:
             self.buffer[PARAM_MAX][row],
             self.buffer[PARAM_NONFINITE][row],
         )
+        scale = self._scale_source() if params_scaled else None
+        if scale is not None:
+            scale = scale.to(torch.float32)
+            self.buffer[PARAM_SUMSQ][row].div_(scale.square())
+            self.buffer[PARAM_MAX][row].div_(scale)
         self.param_present[row] = present
         self.buffer[FWD_NONFINITE][row].copy_(self._fwd_acc.isnan())
         self._fwd_acc.zero_()
