@@ -47,8 +47,8 @@ class HealthChecks:
         with warnings.catch_warnings():  # all-NaN columns are layers without gradient
             warnings.simplefilter("ignore", RuntimeWarning)
             findings += self._exploding(w, valid)
-            findings += self._vanishing(w, valid)
-        findings += self._dead(w)
+            vanishing = self._vanishing(w, valid)
+        findings += vanishing + self._explained_by_vanishing(self._dead(w), vanishing)
         n_skipped = int(skipped.sum())
         if n_skipped:
             self.skipped_steps += n_skipped
@@ -155,6 +155,23 @@ class HealthChecks:
                     Finding("vanishing", self.layers[i], w.steps[-1], float(med_rms[i]), threshold, detail)
                 )
         return findings
+
+    def _explained_by_vanishing(self, dead: list[Finding], vanishing: list[Finding]) -> list[Finding]:
+        """Drop dead-unit findings that are really a vanishing gradient underflowing to zero.
+
+        A dead ReLU layer has zero output gradients while the layer after it is
+        healthy; in a vanishing stack the layer after it is vanishing too.
+        """
+        vanished = {f.layer for f in vanishing}
+        position = {name: i for i, name in enumerate(self.layers)}
+        kept = []
+        for f in dead:
+            i = position[f.layer]
+            successor = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            if f.layer in vanished and successor in vanished:
+                continue
+            kept.append(f)
+        return kept
 
     def _dead(self, w: Window) -> list[Finding]:
         cfg = self.config

@@ -52,6 +52,8 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
         exclude: fnmatch patterns of layers to leave out.
         logdir: where to write when the trainer has no TensorBoardLogger
             (default: ``<trainer.default_root_dir>/gradwatch``).
+        histograms: also write per-layer gradient histograms at each flush
+            (copies every gradient to the host; off by default).
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
         include: Union[str, list[str], None] = None,
         exclude: Union[str, list[str], None] = None,
         logdir: Optional[str] = None,
+        histograms: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(flush_every, int) or isinstance(flush_every, bool) or flush_every < 1:
@@ -72,6 +75,7 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
         self.include = include
         self.exclude = exclude
         self.logdir = logdir
+        self.histograms = histograms
         self.monitor: Optional[GradMonitor] = None
         self._pending_state: Optional[dict[str, Any]] = None
         self._alerts: list[Alert] = []
@@ -89,6 +93,7 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
             include=self.include,
             exclude=self.exclude,
             scaler=getattr(trainer.precision_plugin, "scaler", None),
+            histograms=self.histograms,
         )
         monitor.sync_dist = trainer.world_size > 1
         monitor.is_writer = trainer.global_rank == 0

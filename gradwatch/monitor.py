@@ -41,6 +41,7 @@ class GradMonitor:
         include: str | Sequence[str] | None = None,
         exclude: str | Sequence[str] | None = None,
         scaler: Any = None,
+        histograms: bool = False,
     ) -> None:
         if not isinstance(flush_every, int) or isinstance(flush_every, bool) or flush_every < 1:
             raise ValueError(f"flush_every must be an int >= 1 (steps per flush), got {flush_every!r}")
@@ -56,6 +57,7 @@ class GradMonitor:
             )
         self.config = config
         self.flush_every = flush_every
+        self.histograms = bool(histograms)
         self._scaler = scaler
         self._layer_specs = discover_layers(model, include, exclude)
         self._names = [layer.name for layer in self._layer_specs]
@@ -131,6 +133,9 @@ class GradMonitor:
 
     def flush(self) -> list[Alert]:
         """Move buffered statistics to the host, write them, run the health checks."""
+        return self._flush(final=False)
+
+    def _flush(self, final: bool) -> list[Alert]:
         recorder = self._recorder
         if recorder.slot == 0:
             return []
@@ -163,7 +168,11 @@ class GradMonitor:
         new = self._tracker.update(findings, steps[-1])
         if self._sink is not None:
             try:
-                self._sink.write(window, new, len(self._tracker.alerts))
+                self._sink.write(window, new, len(self._tracker.alerts), final=final)
+                if self.histograms and not final:
+                    named = [(layer.name, [p.grad for p in layer.params if p.grad is not None])
+                             for layer in self._layer_specs]
+                    self._sink.write_histograms([(n, g) for n, g in named if g], steps[-1])
             except Exception as exc:
                 log.warning("gradwatch: writing to TensorBoard failed: %s: %s", type(exc).__name__, exc)
         self.last_window = window
@@ -180,7 +189,7 @@ class GradMonitor:
         self._closed = True
         try:
             try:
-                self.flush()
+                self._flush(final=True)
             except GradientHealthError as exc:
                 log.error("gradwatch: %s", exc)
         finally:

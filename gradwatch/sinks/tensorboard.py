@@ -8,6 +8,7 @@ step instead of one ``add_scalar`` call per value), which keeps a flush of
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -39,14 +40,18 @@ def custom_scalars_layout() -> dict[str, Any]:
 class TensorBoardSink:
     """Writes windows, alerts and the dashboard layout to a ``SummaryWriter``."""
 
+    #: Rendering the heatmap costs ~150 ms of CPU; render at most this often
+    #: (seconds of wall time). The first flush and the last one (close) always render.
+    heatmap_interval_s: float = 60.0
+
     def __init__(self, writer: Any, owns_writer: bool, heatmap: bool = True) -> None:
         self.writer = writer
         self.owns_writer = owns_writer
         self.layout_written = False
         self.heatmap = heatmap
-        self._warned_heatmap = False
+        self._last_heatmap = -float("inf")
 
-    def write(self, w: Window, alerts: list[Alert], total_alerts: int) -> None:
+    def write(self, w: Window, alerts: list[Alert], total_alerts: int, final: bool = False) -> None:
         """Write one window's scalars at the steps they describe, then its alerts."""
         if not self.layout_written:
             self.writer.add_custom_scalars(custom_scalars_layout())
@@ -76,9 +81,19 @@ class TensorBoardSink:
             self._add_scalars(values, step)
         for alert in alerts:
             self.writer.add_text(ALERTS_TAG, alert.message, alert.step)
-        if self.heatmap:
+        now = time.monotonic()
+        if self.heatmap and (final or now - self._last_heatmap >= self.heatmap_interval_s):
+            self._last_heatmap = now
             self._add_heatmap(w)
         self.writer.flush()
+
+    def write_histograms(self, named_grads: list[tuple[str, Any]], step: int) -> None:
+        """Per-layer gradient histograms (host copy of every gradient: costly, off by default)."""
+        for name, grads in named_grads:
+            flat = np.concatenate([g.detach().float().reshape(-1).cpu().numpy() for g in grads])
+            flat = flat[np.isfinite(flat)]
+            if flat.size:
+                self.writer.add_histogram(f"{PREFIX}/hist/{name}", flat, step)
 
     def _add_scalars(self, values: list[tuple[str, float]], step: int) -> None:
         get_file_writer = getattr(self.writer, "_get_file_writer", None)
@@ -92,16 +107,12 @@ class TensorBoardSink:
         get_file_writer().add_summary(summary, step)
 
     def _add_heatmap(self, w: Window) -> None:
-        try:
-            from .heatmap import gradient_flow_image
-        except ImportError:
-            return
+        from .heatmap import gradient_flow_image
+
         try:
             image = gradient_flow_image(w)
         except ImportError:
-            if not self._warned_heatmap:
-                self._warned_heatmap = True
-                log.info("gradwatch: install matplotlib (pip install gradwatch[plot]) for the gradient-flow heatmap")
+            log.info("gradwatch: install matplotlib (pip install gradwatch[plot]) for the gradient-flow heatmap")
             self.heatmap = False
             return
         if image is not None:

@@ -1,0 +1,187 @@
+"""Reads gradwatch's TensorBoard event files back into a per-layer health summary."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .sinks.tensorboard import ALERTS_TAG, PREFIX
+
+_ALERT_RE = re.compile(
+    r"\[gradwatch\] (?P<kind>\w+) at step (?P<step>-?\d+) in (?:layer (?P<layer>.+?)|the whole model): "
+    r"value (?P<value>\S+), threshold (?P<threshold>[^\s(]+)"
+)
+
+
+class ReportError(Exception):
+    """Bad input for a report: no such folder, or no gradwatch data in it."""
+
+
+@dataclass
+class LayerSummary:
+    layer: str
+    steps: int
+    grad_norm_min: float
+    grad_norm_median: float
+    grad_norm_max: float
+    dead_fraction: float | None
+    alerts: int
+
+
+@dataclass
+class RunReport:
+    run: str
+    first_step: int
+    last_step: int
+    layers: list[LayerSummary] = field(default_factory=list)
+    alerts: list[dict[str, Any]] = field(default_factory=list)
+
+
+def read_runs(logdir: str) -> list[RunReport]:
+    """One RunReport per folder under ``logdir`` holding gradwatch event files."""
+    if not os.path.isdir(logdir):
+        raise ReportError(f"no such folder: {logdir}")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    by_run: dict[str, list[str]] = {}
+    for path in sorted(glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"), recursive=True)):
+        by_run.setdefault(os.path.relpath(os.path.dirname(path), logdir), []).append(path)
+    reports = []
+    for run, paths in sorted(by_run.items()):
+        scalars: dict[str, dict[int, float]] = {}
+        texts: list[str] = []
+        for path in paths:
+            acc = EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 0})
+            acc.Reload()
+            tags = acc.Tags()
+            for tag in tags.get("scalars", []):
+                if tag.startswith(PREFIX + "/"):
+                    scalars.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+            # SummaryWriter.add_text stores "<tag>/text_summary"
+            for tag in tags.get("tensors", []):
+                if tag == ALERTS_TAG or tag.startswith(ALERTS_TAG + "/"):
+                    for event in acc.Tensors(tag):
+                        texts.extend(v.decode("utf-8", "replace") for v in event.tensor_proto.string_val)
+        if scalars:
+            reports.append(_summarise(run, scalars, texts))
+    if not reports:
+        raise ReportError(f"no gradwatch data (TensorBoard scalars under '{PREFIX}/') in {logdir}")
+    return reports
+
+
+def _summarise(run: str, scalars: dict[str, dict[int, float]], texts: list[str]) -> RunReport:
+    alerts = []
+    for text in texts:
+        m = _ALERT_RE.search(text)
+        if m:
+            alerts.append(
+                {
+                    "kind": m["kind"],
+                    "layer": m["layer"] or "",
+                    "step": int(m["step"]),
+                    "value": float(m["value"]),
+                    "threshold": float(m["threshold"]),
+                    "message": text,
+                }
+            )
+    alerts.sort(key=lambda a: a["step"])
+    norm_prefix = f"{PREFIX}/grad_norm/"
+    dead_prefix = f"{PREFIX}/dead_fraction/"
+    all_steps = sorted({s for series in scalars.values() for s in series})
+    report = RunReport(run, all_steps[0], all_steps[-1], alerts=alerts)
+    for tag, series in scalars.items():
+        if not tag.startswith(norm_prefix):
+            continue
+        layer = tag[len(norm_prefix):]
+        values = np.array(list(series.values()), dtype=float)
+        finite = values[np.isfinite(values)]
+        dead = scalars.get(dead_prefix + layer)
+        report.layers.append(
+            LayerSummary(
+                layer=layer,
+                steps=len(values),
+                grad_norm_min=float(finite.min()) if finite.size else float("nan"),
+                grad_norm_median=float(np.median(finite)) if finite.size else float("nan"),
+                grad_norm_max=float(finite.max()) if finite.size else float("nan"),
+                dead_fraction=dead[max(dead)] if dead else None,
+                alerts=sum(1 for a in alerts if a["layer"] == layer),
+            )
+        )
+    order = {name: i for i, name in enumerate(_layer_order(scalars))}
+    report.layers.sort(key=lambda s: order.get(s.layer, len(order)))
+    return report
+
+
+def _layer_order(scalars: dict[str, dict[int, float]]) -> list[str]:
+    # Tags carry no module order; the first step's tags were written in module order
+    # but the reader sorts them, so keep the natural (numeric-aware) order of names.
+    names = [t[len(PREFIX) + len("/grad_norm/"):] for t in scalars if t.startswith(f"{PREFIX}/grad_norm/")]
+    return sorted(names, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
+
+
+def to_json(reports: list[RunReport]) -> str:
+    return json.dumps(
+        {
+            "healthy": not any(r.alerts for r in reports),
+            "runs": [
+                {
+                    "run": r.run,
+                    "first_step": r.first_step,
+                    "last_step": r.last_step,
+                    "layers": [
+                        {
+                            "layer": s.layer,
+                            "steps": s.steps,
+                            "grad_norm": {"min": _num(s.grad_norm_min), "median": _num(s.grad_norm_median), "max": _num(s.grad_norm_max)},
+                            "dead_fraction": s.dead_fraction,
+                            "alerts": s.alerts,
+                        }
+                        for s in r.layers
+                    ],
+                    "alerts": r.alerts,
+                }
+                for r in reports
+            ],
+        },
+        indent=2,
+    )
+
+
+def _num(x: float) -> float | None:
+    return None if not np.isfinite(x) else x
+
+
+def to_text(reports: list[RunReport]) -> str:
+    lines = []
+    for r in reports:
+        lines.append(f"run {r.run!s}: steps {r.first_step}-{r.last_step}, {len(r.layers)} layers, {len(r.alerts)} alert(s)")
+        header = ["layer", "steps", "norm min", "norm median", "norm max", "dead", "alerts"]
+        rows = [
+            [
+                s.layer,
+                str(s.steps),
+                f"{s.grad_norm_min:.3g}",
+                f"{s.grad_norm_median:.3g}",
+                f"{s.grad_norm_max:.3g}",
+                "-" if s.dead_fraction is None else f"{s.dead_fraction:.0%}",
+                str(s.alerts) if s.alerts else "",
+            ]
+            for s in r.layers
+        ]
+        widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+        fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+        lines.append(fmt.format(*header))
+        lines.extend(fmt.format(*row) for row in rows)
+        if r.alerts:
+            lines.append("alerts:")
+            lines.extend(f"  {a['message']}" for a in r.alerts)
+        else:
+            lines.append("no alerts: healthy")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,175 @@
+"""`gradwatch demo`, `gradwatch report`, and the dashboard served by a real TensorBoard server."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from gradwatch.cli import main
+from gradwatch.demo import run_demo
+
+DEMO_STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def demo_runs(tmp_path_factory):
+    """One demo log folder per fault, and the alerts each raised."""
+    root = tmp_path_factory.mktemp("demo")
+    runs = {}
+    for fault in ("none", "exploding", "vanishing", "dead", "nan"):
+        out = io.StringIO()
+        alerts = run_demo(logdir=str(root / fault), steps=DEMO_STEPS, fault=fault, out=out)
+        runs[fault] = (str(root / fault), alerts, out.getvalue())
+    return runs
+
+
+@pytest.mark.parametrize(
+    "fault,kind", [("exploding", "exploding"), ("vanishing", "vanishing"), ("dead", "dead_units"), ("nan", "nonfinite")]
+)
+def test_demo_fault_raises_the_matching_alert(demo_runs, fault, kind):
+    _, alerts, printed = demo_runs[fault]
+    assert kind in {a.kind for a in alerts}
+    assert "tensorboard --logdir" in printed and kind in printed
+
+
+def test_demo_without_fault_raises_nothing(demo_runs):
+    _, alerts, printed = demo_runs["none"]
+    assert alerts == []
+    assert "no alerts" in printed
+
+
+def test_demo_shows_progress_on_long_runs(tmp_path):
+    out = io.StringIO()
+    run_demo(logdir=str(tmp_path), steps=200, out=out)
+    assert "step 20/200" in out.getvalue() and "step 200/200" in out.getvalue()
+
+
+def test_report_exit_codes_and_json(demo_runs, tmp_path, capsys):
+    assert main(["report", demo_runs["none"][0]]) == 0
+    text = capsys.readouterr().out
+    assert "no alerts" in text and "norm median" in text
+
+    assert main(["report", demo_runs["dead"][0], "--format", "json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["healthy"] is False
+    run = data["runs"][0]
+    assert [layer["layer"] for layer in run["layers"]] == ["0", "2", "4", "6"]
+    assert run["layers"][0]["dead_fraction"] == 1.0
+    assert run["layers"][0]["grad_norm"]["max"] == 0.0
+    assert any(a["kind"] == "dead_units" and a["layer"] == "0" for a in run["alerts"])
+    assert run["last_step"] == DEMO_STEPS - 1
+
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    assert "no gradwatch data" in capsys.readouterr().err
+
+
+def test_report_text_table_is_aligned(demo_runs, capsys):
+    main(["report", demo_runs["nan"][0]])
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("layer"))
+    table = lines[header : header + 5]
+    assert len({len(line) for line in table}) == 1  # every row as wide as the header
+    assert any("nonfinite" in line and "layer 2" in line for line in lines)
+
+
+def test_console_script_and_module_entry_point(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "gradwatch", "demo", "--steps", "5", "--logdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"tensorboard --logdir {tmp_path}" in result.stdout
+    bad = subprocess.run([sys.executable, "-m", "gradwatch", "demo", "--steps", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and ">= 1" in bad.stderr
+    script = os.path.join(os.path.dirname(sys.executable), "gradwatch")
+    if os.path.exists(script):
+        assert subprocess.run([script, "report", str(tmp_path)], capture_output=True).returncode == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get_json(url: str):
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read().decode())
+
+
+def test_tensorboard_server_serves_scalars_layout_and_images(demo_runs):
+    logdir = demo_runs["dead"][0]
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", "--logdir", logdir, "--host", "127.0.0.1",
+         "--port", str(port), "--load_fast=false", "--reload_interval", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}/data/plugin"
+    try:
+        deadline = time.monotonic() + 90
+        scalar_tags: dict = {}
+        while time.monotonic() < deadline:
+            try:
+                scalar_tags = _get_json(f"{base}/scalars/tags")
+                if any("gradwatch/grad_norm/0" in tags for tags in scalar_tags.values()):
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        tags = set().union(*[set(t) for t in scalar_tags.values()]) if scalar_tags else set()
+        for expected in ("gradwatch/grad_norm/0", "gradwatch/out_grad_norm/6", "gradwatch/dead_fraction/0",
+                         "gradwatch/global/grad_norm", "gradwatch/global/alerts"):  # fmt: skip
+            assert expected in tags
+        run = next(r for r, t in scalar_tags.items() if "gradwatch/grad_norm/0" in t)
+        series = _get_json(f"{base}/scalars/scalars?run={urllib.request.quote(run)}&tag=gradwatch/grad_norm/0")
+        assert [point[1] for point in series] == list(range(DEMO_STEPS))
+
+        layout = _get_json(f"{base}/custom_scalars/layout")
+        charts = {c["title"]: c for cat in layout["category"] for c in cat["chart"]}
+        assert "grad_norm" in charts and "dead_fraction" in charts and "alerts" in charts
+        assert charts["grad_norm"]["multiline"]["tag"] == ["^gradwatch/grad_norm/.*"]
+
+        images = _get_json(f"{base}/images/tags")
+        image_run = next(r for r, t in images.items() if "gradwatch/gradient_flow" in t)
+        entries = _get_json(f"{base}/images/images?run={urllib.request.quote(image_run)}&tag=gradwatch/gradient_flow")
+        assert entries
+        with urllib.request.urlopen(f"{base}/images/individualImage?{entries[-1]['query']}", timeout=10) as r:
+            assert r.read(8) == b"\x89PNG\r\n\x1a\n"
+        texts = _get_json(f"{base}/text/tags")
+        assert any(any(t.startswith("gradwatch/alerts") for t in tags) for tags in texts.values())
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_heatmap_skipped_cleanly_without_matplotlib(tmp_path, monkeypatch, caplog):
+    import logging
+
+    import torch
+
+    from gradwatch import GradMonitor
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    with caplog.at_level(logging.INFO, logger="gradwatch"):
+        with GradMonitor(model, logdir=str(tmp_path), flush_every=2) as monitor:
+            for _ in range(4):
+                model(torch.randn(2, 3)).sum().backward()
+                monitor.step()
+                model.zero_grad()
+    assert any("matplotlib" in r.getMessage() for r in caplog.records)
+    from .conftest import read_scalars
+
+    assert sorted(read_scalars(str(tmp_path))["gradwatch/grad_norm/0"]) == [0, 1, 2, 3]
