@@ -19,12 +19,13 @@ gradient (one pass over the gradient) and appends it to a list that
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .layers import LayerSpec, first_grad_tensor
+from .layers import LayerSpec, grad_tensors
 
 if TYPE_CHECKING:
     from .recorder import Recorder
@@ -51,18 +52,48 @@ class HookSet:
         return len(self._handles)
 
 
+def _is_compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and getattr(compiler, "is_compiling", lambda: False)())
+
+
+_warned_compile = False
+
+
+def _warn_compile_once() -> None:
+    global _warned_compile
+    if not _warned_compile:
+        _warned_compile = True
+        log.warning(
+            "gradwatch: inside torch.compile'd code the output-gradient statistics "
+            "(out_grad_norm, dead_fraction) and the forward non-finite check are not recorded; "
+            "parameter-gradient statistics are. Attach gradwatch and run eagerly for the full set."
+        )
+
+
 def _make_forward_hook(index: int, layer: LayerSpec, recorder: "Recorder") -> Callable:
     grad_enabled = torch.is_grad_enabled
     tensor_type = torch.Tensor
     on_forward = recorder.on_forward
+    # copy.deepcopy(model) copies the hook dicts too: the copy must not record into this monitor.
+    owner = weakref.ref(layer.module)
 
     def forward_hook(module: torch.nn.Module, args: object, output: object) -> None:
-        if not grad_enabled() or not recorder.active:
+        if not grad_enabled() or not recorder.active or module is not owner():
             return
         try:
-            out = output if type(output) is tensor_type else first_grad_tensor(output)
-            if out is not None:
-                on_forward(index, out)
+            if _is_compiling():
+                _warn_compile_once()
+                return
+            if type(output) is tensor_type:
+                if output.is_floating_point():
+                    on_forward(index, output)
+                return
+            tensors = grad_tensors(output)
+            if tensors:
+                on_forward(index, tensors[0])
+                for extra in tensors[1:]:  # e.g. an RNN's h_n: same units, also an output
+                    on_forward(index, extra, extra=True)
         except Exception as exc:  # a monitor must never break training
             recorder.hook_failed(layer.name, exc)
 

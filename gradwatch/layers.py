@@ -117,10 +117,12 @@ def _check_patterns(patterns: list[str], names: list[str], arg: str) -> None:
         )
 
 
-def first_grad_tensor(output: object) -> torch.Tensor | None:
-    """The first floating-point tensor in a module output (tensor, tuple, list, dict, namedtuple)."""
+def grad_tensors(output: object, _depth: int = 0) -> list[torch.Tensor]:
+    """The floating-point tensors of a module output (tensor, tuple, list, dict, namedtuple), in order."""
     if isinstance(output, torch.Tensor):
-        return output if output.is_floating_point() else None
+        return [output] if output.is_floating_point() else []
+    if _depth > 4:
+        return []
     if isinstance(output, dict):
         values: Iterable[object] = output.values()
     elif isinstance(output, (tuple, list)):
@@ -128,9 +130,8 @@ def first_grad_tensor(output: object) -> torch.Tensor | None:
     elif hasattr(output, "to_tuple"):  # Hugging Face ModelOutput
         values = output.to_tuple()
     else:
-        return None
+        return []
+    found: list[torch.Tensor] = []
     for item in values:
-        found = first_grad_tensor(item)
-        if found is not None:
-            return found
-    return None
+        found.extend(grad_tensors(item, _depth + 1))
+    return found

@@ -66,6 +66,7 @@ class ParamStats:
                 self.params.append(p)
                 self.param_layer.append(index)
         self.n_layers = len(layers)
+        self.sharded = any(_is_dtensor(p) for p in self.params)
         self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
         # Host memory shared with a tensor (CPU path only, see module docstring).
         self._cpu_sq = torch.zeros(len(self.params), dtype=torch.float32)
@@ -83,6 +84,8 @@ class ParamStats:
             g = p.grad
             if g is None:
                 continue
+            if self.sharded and hasattr(g, "to_local"):
+                g = g.to_local()  # FSDP2/DTensor: this rank's shard; partials summed at flush
             if g.is_sparse:
                 g = g.coalesce()._values()
             if g.numel() == 0:
@@ -120,3 +123,11 @@ class ParamStats:
             if len(self._index_cache) < 64:
                 self._index_cache[owners] = index
         return index
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.4, or no distributed support
+        return False
+    return isinstance(tensor, DTensor)

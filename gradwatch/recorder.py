@@ -40,7 +40,6 @@ class Recorder:
         flush_every: int,
         device: torch.device,
         scale_source: Callable[[], torch.Tensor | None],
-        param_reduce: str = "none",
     ) -> None:
         self.layers = layers
         self.flush_every = flush_every
@@ -49,9 +48,11 @@ class Recorder:
         self._scale_source = scale_source
         n = len(layers)
         self.buffer = StatBuffer(device)
+        self.param_stats = ParamStats(layers)
         # Parameter gradients are identical on every data-parallel rank after
-        # backward; sharded (FSDP) runs declare them "sum"/"max" instead.
-        max_reduce = "max" if param_reduce == "sum" else param_reduce
+        # backward; sharded ones (FSDP2 DTensors) are partial sums and maxima.
+        param_reduce = "sum" if self.param_stats.sharded else "none"
+        max_reduce = "max" if self.param_stats.sharded else "none"
         self.buffer.add_state(PARAM_SUMSQ, (flush_every, n), param_reduce)  # type: ignore[arg-type]
         self.buffer.add_state(PARAM_MAX, (flush_every, n), max_reduce)  # type: ignore[arg-type]
         self.buffer.add_state(PARAM_NONFINITE, (flush_every, n), param_reduce)  # type: ignore[arg-type]
@@ -60,7 +61,6 @@ class Recorder:
         self.buffer.add_state(FWD_NONFINITE, (flush_every, n), "sum")
         self.buffer.add_state(UNIT_SUMSQ, (0,), "sum")
 
-        self.param_stats = ParamStats(layers)
         self.slot = 0
         # Host-side facts known without reading the device.
         self.out_calls = np.zeros((flush_every, n), dtype=np.int64)
@@ -79,16 +79,23 @@ class Recorder:
         self._pending_layer: list[int] = []
         self._index_cache: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._grad_hooks: dict[tuple[int, int], Callable] = {}
-        self._ones: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._failures: set[str] = set()
 
     # ----------------------------------------------------------------- hooks
-    def on_forward(self, index: int, out: torch.Tensor) -> None:
-        """Called by the forward hook of layer ``index`` with its output."""
+    def on_forward(self, index: int, out: torch.Tensor, extra: bool = False) -> None:
+        """Called by the forward hook of layer ``index`` with its output.
+
+        ``extra``: a further tensor of a structured output (an RNN's h_n); it is
+        monitored only if it has the layer's units, else ignored.
+        """
+        if extra:
+            units = self.unit_count[index]
+            if out.ndim == 0 or units == 0 or out.shape[self.layers[index].unit_dim(out.ndim)] != units:
+                return
         # 0 * sum(out) is 0 when the output is finite and NaN otherwise, so the
         # accumulator ends up NaN exactly when some call produced a non-finite value.
         self._fwd_views[index].add_(out.detach().sum(dtype=torch.float32), alpha=0.0)
-        if len(self.forward_order) < 4 * len(self.layers):
+        if not extra and len(self.forward_order) < 4 * len(self.layers):
             self.forward_order.append(index)
         if out.requires_grad:
             hook = self._grad_hooks.get((index, out.ndim))
@@ -109,7 +116,7 @@ class Recorder:
             )
         pending, pending_layer = self._pending, self._pending_layer
         limit = _MAX_PENDING_PER_LAYER * len(self.layers)
-        per_unit = _per_unit_sumsq_fn(ndim, unit_dim, units, self._ones)
+        per_unit = _per_unit_sumsq_fn(ndim, unit_dim, units)
 
         def grad_hook(grad: torch.Tensor) -> None:
             try:
@@ -234,9 +241,7 @@ def _first_seen(order: list[int]) -> list[int]:
     return [i for i in order if not (i in seen or seen.add(i))]
 
 
-def _per_unit_sumsq_fn(
-    ndim: int, unit_dim: int, units: int, ones_cache: dict[tuple[int, torch.device], torch.Tensor]
-) -> Callable[[torch.Tensor], torch.Tensor]:
+def _per_unit_sumsq_fn(ndim: int, unit_dim: int, units: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """A function mapping an output gradient to its per-unit sum of squares (float32).
 
     Each variant reads the gradient once with a contiguous reduction; a strided
@@ -248,27 +253,26 @@ def _per_unit_sumsq_fn(
     if ndim <= 1:
         return lambda g: g.detach().to(f32).square().reshape(-1)
 
+    other_dims = tuple(d for d in range(ndim) if d != unit_dim)
+
+    def general(g: torch.Tensor) -> torch.Tensor:
+        # Works on any strides (no reshape copy of a non-contiguous gradient).
+        g = g.detach()
+        if g.dtype != f32:
+            g = g.to(f32)  # fp16 squares overflow; accumulate in fp32
+        return (g * g).sum(other_dims)
+
     if unit_dim == 1 and ndim >= 3:  # (N, C, *spatial): one norm per (sample, channel) row
 
         def channels(g: torch.Tensor) -> torch.Tensor:
+            if not g.is_contiguous():
+                return general(g)
             n = g.shape[0]
             rows = norm(g.detach().reshape(n * units, -1), 2, 1, dtype=f32)
             return rows.view(n, units).square_().sum(0)
 
         return channels
 
-    # (*, U): units last; sum the squares of the rows with one matrix-vector product.
-    def last(g: torch.Tensor) -> torch.Tensor:
-        rows = g.detach().reshape(-1, units)
-        if rows.dtype != f32:
-            rows = rows.to(f32)
-        m = rows.shape[0]
-        key = (m, rows.device)
-        ones = ones_cache.get(key)
-        if ones is None:
-            ones = torch.ones(m, dtype=f32, device=rows.device)
-            if len(ones_cache) < 32:
-                ones_cache[key] = ones
-        return torch.mv(rows.square().t(), ones)
-
-    return last
+    # (*, U): units last; measured inside backward, (g*g).sum over the leading dims
+    # beats square()+mv and a strided vector_norm over dim 0.
+    return general

@@ -1,0 +1,141 @@
+"""What is compared: no monitoring, gradwatch, and the usual alternatives written out here."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from gradwatch import GradMonitor, HealthConfig
+
+
+class Contender:
+    """One way of training a model copy: ``step()`` runs forward, backward, monitoring, update."""
+
+    name = "none"
+
+    def __init__(self, model: nn.Module, workload: Any, device: torch.device) -> None:
+        self.model = model
+        self.workload = workload
+        self.device = device
+        self.opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        self.batch = workload.make_batch(device)
+
+    def after_backward(self) -> None:
+        pass
+
+    def step(self) -> None:
+        x, y = self.batch
+        loss = self.workload.loss(self.model(x), y)
+        loss.backward()
+        self.after_backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        pass
+
+
+class Unmonitored(Contender):
+    name = "none"
+
+
+class UnmonitoredControl(Contender):
+    """A second unmonitored copy: the A/A control that shows the noise floor."""
+
+    name = "none (A/A)"
+
+
+def gradwatch_contender(flush_every: int) -> type[Contender]:
+    class GradWatchContender(Contender):
+        name = f"gradwatch flush={flush_every}"
+
+        def __init__(self, model, workload, device):
+            super().__init__(model, workload, device)
+            self.logdir = tempfile.mkdtemp(prefix="gradwatch-bench-")
+            # Thresholds off: the benchmark measures cost, not the health of a random-label task.
+            self.monitor = GradMonitor(model, logdir=self.logdir, flush_every=flush_every, config=HealthConfig())
+            self.buffer_bytes = self.monitor.buffer_bytes
+
+        def after_backward(self):
+            self.monitor.step()
+            self.buffer_bytes = max(self.buffer_bytes, self.monitor.buffer_bytes)
+
+        def close(self):
+            self.monitor.close()
+
+    return GradWatchContender
+
+
+class LightningGradNorm(Contender):
+    """Lightning's ``grad_norm`` utility, its tensors converted to floats every step."""
+
+    name = "lightning grad_norm"
+
+    def __init__(self, model, workload, device):
+        super().__init__(model, workload, device)
+        try:
+            from lightning.pytorch.utilities import grad_norm
+        except ImportError:
+            from pytorch_lightning.utilities import grad_norm  # type: ignore[no-redef]
+        self.grad_norm: Callable = grad_norm
+        self.log: list[dict[str, float]] = []
+
+    def after_backward(self):
+        norms = self.grad_norm(self.model, norm_type=2)
+        self.log.append({k: float(v) for k, v in norms.items()})
+        if len(self.log) > 1000:
+            self.log.clear()
+
+
+class ItemHook(Contender):
+    """A tensor hook per parameter calling ``.norm().item()``: the common hand-written monitor."""
+
+    name = "per-param .item() hook"
+
+    def __init__(self, model, workload, device):
+        super().__init__(model, workload, device)
+        self.values: list[float] = []
+        self.handles = [p.register_hook(self._hook) for p in model.parameters() if p.requires_grad]
+
+    def _hook(self, grad: torch.Tensor) -> None:
+        self.values.append(grad.norm().item())
+        if len(self.values) > 10000:
+            self.values.clear()
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+class FusedFloor(Contender):
+    """One ``torch._foreach_norm`` over all gradients per step, kept on the device, copied every 50 steps."""
+
+    name = "fused floor (foreach_norm)"
+
+    def __init__(self, model, workload, device):
+        super().__init__(model, workload, device)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.pending: list[torch.Tensor] = []
+
+    def after_backward(self):
+        grads = [p.grad for p in self.params if p.grad is not None]
+        self.pending.append(torch.stack(torch._foreach_norm(grads, 2)))
+        if len(self.pending) == 50:
+            torch.stack(self.pending).cpu()
+            self.pending.clear()
+
+
+def standard() -> list[type[Contender]]:
+    return [
+        Unmonitored,
+        UnmonitoredControl,
+        gradwatch_contender(1),
+        gradwatch_contender(10),
+        gradwatch_contender(50),
+        LightningGradNorm,
+        ItemHook,
+        FusedFloor,
+    ]

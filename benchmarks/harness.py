@@ -1,0 +1,114 @@
+"""Interleaved timing: every contender steps once per round, in a rotated order."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+@dataclass
+class Result:
+    name: str
+    times: list[float] = field(default_factory=list)
+    buffer_bytes: int | None = None
+    peak_bytes: int | None = None
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.times)
+
+
+def measure(workload, contender_types, rounds: int, warmup: int, device: torch.device,
+            sync: Callable[[], None] | None = None) -> list[Result]:  # fmt: skip
+    """Time ``rounds`` steps of each contender, interleaved A B C / B C A / ..., on identical model copies."""
+    torch.manual_seed(0)
+    base = workload.make_model().to(device)
+    contenders = [cls(copy.deepcopy(base), workload, device) for cls in contender_types]
+    results = {c.name: Result(c.name) for c in contenders}
+    for c in contenders:
+        for _ in range(warmup):
+            c.step()
+    gc.collect()
+    gc.disable()  # a collection landing in one contender's step is noise, not cost
+    try:
+        n = len(contenders)
+        for r in range(rounds):
+            order = contenders[r % n :] + contenders[: r % n]
+            for c in order:
+                if sync:
+                    sync()
+                t0 = time.perf_counter()
+                c.step()
+                if sync:
+                    sync()
+                results[c.name].times.append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
+    for c in contenders:
+        results[c.name].buffer_bytes = getattr(c, "buffer_bytes", None)
+        c.close()
+    return [results[c.name] for c in contenders]
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts ``aten._local_scalar_dense`` (``.item()``, ``bool(t)``) and device-to-host copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        elif func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None:
+            if torch.device(kwargs["device"]).type == "cpu" and args[0].device.type != "cpu":
+                self.count += 1
+        return func(*args, **kwargs)
+
+
+def host_syncs_between_flushes(workload, device: torch.device, steps: int = 8) -> tuple[int, int]:
+    """(syncs in unmonitored steps, syncs in gradwatch's non-flush steps), same loop."""
+    from .contenders import Unmonitored, gradwatch_contender
+
+    torch.manual_seed(0)
+    base = workload.make_model().to(device)
+    plain = Unmonitored(copy.deepcopy(base), workload, device)
+    watched = gradwatch_contender(50)(copy.deepcopy(base), workload, device)
+    for c in (plain, watched):
+        for _ in range(2):
+            c.step()
+    counts = []
+    for c in (plain, watched):
+        with SyncCounter() as counter:
+            for _ in range(steps):
+                c.step()
+        counts.append(counter.count)
+        c.close()
+    return counts[0], counts[1]
+
+
+def format_table(workload_name: str, results: list[Result]) -> str:
+    base = results[0]
+    lines = [f"\n## {workload_name}  (median unmonitored step {base.median * 1e3:.2f} ms, {len(base.times)} rounds)"]
+    lines.append(f"{'contender':30s} {'median ms':>10s} {'ratio':>7s} {'mean ratio':>11s} {'buffer':>10s}")
+    for r in results:
+        buf = "-" if r.buffer_bytes is None else _bytes(r.buffer_bytes)
+        lines.append(f"{r.name:30s} {r.median * 1e3:10.2f} {r.median / base.median:7.3f} "
+                     f"{r.mean / base.mean:11.3f} {buf:>10s}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 1024:.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"

@@ -1,0 +1,90 @@
+"""gradwatch's step-time overhead against an unmonitored run and the usual alternatives.
+
+    python benchmarks/overhead.py            # full run (a few minutes on 2 CPU cores)
+    python benchmarks/overhead.py --quick    # fewer rounds, for a smoke test
+
+Every figure is a ratio to an unmonitored copy of the same model measured in the
+same process, contenders interleaved step by step with the order rotated every
+round; "none (A/A)" is a second unmonitored copy: its ratio is the noise floor.
+"ratio" compares medians (a typical non-flush step); "mean ratio" compares means,
+so it includes the cost of flushes amortised over the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import resource
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import contenders as C  # noqa: E402
+from benchmarks import workloads as W  # noqa: E402
+from benchmarks.harness import format_table, host_syncs_between_flushes, measure  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (smoke test)")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--json", help="also write the figures to this JSON file")
+    parser.add_argument("--skip-scaling", action="store_true", help="skip the depth and flush_every sweeps")
+    args = parser.parse_args()
+    logging.getLogger("gradwatch").setLevel(logging.ERROR)  # random-label tasks are not the point here
+    rounds = args.rounds or (20 if args.quick else 100)
+    warmup = 3 if args.quick else 10
+    device = torch.device("cpu")
+    print(f"# gradwatch overhead  torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{platform.processor() or platform.machine()}, python {platform.python_version()}")  # fmt: skip
+    report: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "workloads": {}}
+
+    for workload in W.standard():
+        results = measure(workload, C.standard(), rounds, warmup, device)
+        print(format_table(workload.name, results), flush=True)
+        plain, watched = host_syncs_between_flushes(workload, device)
+        print(f"host syncs in 8 non-flush steps: unmonitored {plain}, gradwatch {watched}")
+        report["workloads"][workload.name] = {
+            r.name: {"median_ms": r.median * 1e3, "ratio": r.median / results[0].median,
+                     "mean_ratio": r.mean / results[0].mean, "buffer_bytes": r.buffer_bytes}
+            for r in results
+        }  # fmt: skip
+
+    if not args.skip_scaling:
+        print("\n## overhead against depth (MLP width 256, batch 128, flush_every=50)")
+        print(f"{'depth':>6s} {'median ms':>10s} {'ratio':>7s} {'A/A':>7s}")
+        depths = (4, 16, 64) if args.quick else (4, 8, 16, 32, 64)
+        report["depth"] = {}
+        for depth in depths:
+            res = measure(W.mlp(depth=depth, width=256, batch=128),
+                          [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(50)],
+                          rounds, warmup, device)  # fmt: skip
+            ratio, aa = res[2].median / res[0].median, res[1].median / res[0].median
+            report["depth"][depth] = ratio
+            print(f"{depth:6d} {res[0].median * 1e3:10.2f} {ratio:7.3f} {aa:7.3f}", flush=True)
+
+        print("\n## overhead against flush_every (MLP 8x512)")
+        print(f"{'flush_every':>12s} {'ratio':>7s} {'mean ratio':>11s}")
+        flushes = (1, 10, 50, 200)
+        res = measure(W.mlp(), [C.Unmonitored] + [C.gradwatch_contender(f) for f in flushes],
+                      max(rounds, 200), warmup, device)  # fmt: skip
+        report["flush_every"] = {}
+        for f, r in zip(flushes, res[1:]):
+            report["flush_every"][f] = {"ratio": r.median / res[0].median, "mean_ratio": r.mean / res[0].mean}
+            print(f"{f:12d} {r.median / res[0].median:7.3f} {r.mean / res[0].mean:11.3f}", flush=True)
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"\nprocess peak RSS: {peak / (1 << 20):.0f} MiB (all contenders together; "
+          "gradwatch's own device memory is the 'buffer' column)")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
