@@ -26,9 +26,15 @@ from .layers import LayerSpec
 _INF = float("inf")
 
 
+# On the CPU, tensors at least this large are reduced one op each (BLAS dot and
+# aminmax beat the foreach kernels there); smaller ones (biases, norms) go through
+# one foreach call per group, which saves a Python dispatch per tensor.
+_CPU_LARGE = 1 << 15
+
+
 def _sq_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per-tensor sum of squares, accumulated in float32."""
-    if grads[0].device.type == "cpu" and grads[0].dtype == torch.float32:
+    if grads[0].device.type == "cpu" and grads[0].dtype == torch.float32 and grads[0].numel() >= _CPU_LARGE:
         # On CPU a BLAS dot is faster than the foreach norm kernel and gives the
         # sum of squares directly.
         return [torch.dot(v, v) for v in (g.reshape(-1) for g in grads)]
@@ -41,12 +47,14 @@ def _sq_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _abs_max(grads: list[torch.Tensor]) -> torch.Tensor:
     """Per-tensor max |g| as one stacked tensor."""
-    if grads[0].device.type == "cpu":
+    if grads[0].device.type == "cpu" and grads[0].numel() >= _CPU_LARGE:
         # The CPU inf-norm kernel is ~8x slower than aminmax; one pass each.
         pairs = [torch.aminmax(g) for g in grads]
         lo = torch.stack([p[0] for p in pairs])
         hi = torch.stack([p[1] for p in pairs])
         return torch.maximum(hi, lo.neg_())
+    if grads[0].device.type == "cpu" and hasattr(torch, "_foreach_max"):
+        return torch.stack(torch._foreach_max(torch._foreach_abs(grads)))
     return torch.stack(torch._foreach_norm(grads, _INF))
 
 
@@ -77,7 +85,7 @@ class ParamStats:
     ) -> np.ndarray:
         """Write this step's per-layer partials into the rows; returns params present per layer."""
         present = np.zeros(self.n_layers, dtype=np.int64)
-        groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = (
+        groups: dict[tuple[torch.device, torch.dtype, bool], tuple[list[torch.Tensor], list[int]]] = (
             defaultdict(lambda: ([], []))
         )
         for j, p in enumerate(self.params):
@@ -90,17 +98,18 @@ class ParamStats:
                 g = g.coalesce()._values()
             if g.numel() == 0:
                 continue
-            grads, owners = groups[(g.device, g.dtype)]
+            large = g.device.type == "cpu" and g.numel() >= _CPU_LARGE
+            grads, owners = groups[(g.device, g.dtype, large)]
             grads.append(g.detach())
             owners.append(j)
             present[self.param_layer[j]] += 1
         device = sumsq_row.device
-        for (grad_device, _), (grads, owners) in groups.items():
+        for (grad_device, _, _), (grads, owners) in groups.items():
             index = self._layer_index(tuple(owners), device)
             sq_list = _sq_norms(grads)
             if grad_device.type == "cpu":
                 k = len(sq_list)
-                sq = torch.stack(sq_list, out=self._cpu_sq[:k]) if k else self._cpu_sq[:0]
+                sq = torch.stack([s.to(torch.float32) for s in sq_list], out=self._cpu_sq[:k])
                 bad = np.flatnonzero(~np.isfinite(self._cpu_sq_view[:k]))
                 if len(bad):
                     counts = torch.zeros(k, dtype=torch.float32)

@@ -73,8 +73,9 @@ class Recorder:
         self.step_orders: list[tuple[list[int], list[int]]] = []
         self.unit_offset: list[int | None] = [None] * n
         self.unit_count: list[int] = [0] * n
-        self._fwd_acc = torch.zeros(n, dtype=torch.float32, device=device)
-        self._fwd_views = [self._fwd_acc[i] for i in range(n)]
+        self._fwd_sums: list[torch.Tensor] = []
+        self._fwd_layer: list[int] = []
+        self._fwd_index_cache: dict[tuple[int, ...], torch.Tensor] = {}
         self._pending: list[torch.Tensor] = []
         self._pending_layer: list[int] = []
         self._index_cache: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -92,9 +93,12 @@ class Recorder:
             units = self.unit_count[index]
             if out.ndim == 0 or units == 0 or out.shape[self.layers[index].unit_dim(out.ndim)] != units:
                 return
-        # 0 * sum(out) is 0 when the output is finite and NaN otherwise, so the
-        # accumulator ends up NaN exactly when some call produced a non-finite value.
-        self._fwd_views[index].add_(out.detach().sum(dtype=torch.float32), alpha=0.0)
+        # sum(out) is non-finite exactly when the output holds a NaN/Inf (or overflows
+        # float32, which is as alarming); fold() reduces the queued sums in one go.
+        self._fwd_sums.append(out.detach().sum(dtype=torch.float32))
+        self._fwd_layer.append(index)
+        if len(self._fwd_sums) > _MAX_PENDING_PER_LAYER * len(self.layers):
+            self.fold()
         if not extra and len(self.forward_order) < 4 * len(self.layers):
             self.forward_order.append(index)
         if out.requires_grad:
@@ -151,7 +155,19 @@ class Recorder:
 
     # ------------------------------------------------------------------ step
     def fold(self) -> None:
-        """Reduce the queued output-gradient norms into the current step's row."""
+        """Reduce the queued forward sums and output-gradient partials into the current step's row."""
+        if self._fwd_sums:
+            key = tuple(self._fwd_layer)
+            index = self._fwd_index_cache.get(key)
+            if index is None:
+                index = torch.tensor(key, device=self.device)
+                if len(self._fwd_index_cache) < 64:
+                    self._fwd_index_cache[key] = index
+            # 0 * sum is 0 for finite sums and NaN otherwise: the row becomes NaN
+            # exactly where some call of the layer produced a non-finite output.
+            self.buffer[FWD_NONFINITE][self.slot].index_add_(0, index, torch.stack(self._fwd_sums).mul_(0.0))
+            self._fwd_sums.clear()
+            self._fwd_layer.clear()
         if not self._pending:
             return
         pending, layers_of = self._pending, self._pending_layer
@@ -213,8 +229,8 @@ class Recorder:
             self.buffer[PARAM_SUMSQ][row].div_(scale.square())
             self.buffer[PARAM_MAX][row].div_(scale)
         self.param_present[row] = present
-        self.buffer[FWD_NONFINITE][row].copy_(self._fwd_acc.isnan())
-        self._fwd_acc.zero_()
+        fwd = self.buffer[FWD_NONFINITE][row]
+        fwd.copy_(fwd.isnan())
         self.step_orders.append((_first_seen(self.forward_order), self.backward_order))
         self.forward_order = []
         self.backward_order = []
@@ -233,7 +249,8 @@ class Recorder:
         """Forget hook results that no step() will claim (e.g. on close)."""
         self._pending.clear()
         self._pending_layer.clear()
-        self._fwd_acc.zero_()
+        self._fwd_sums.clear()
+        self._fwd_layer.clear()
 
 
 def _first_seen(order: list[int]) -> list[int]:

@@ -11,31 +11,7 @@ from torch import nn
 from gradwatch import GradMonitor
 
 from .conftest import TwoBranch, read_scalars
-
-
-class OutputGradCapture:
-    """Independent reference: retain_grad on every call's output of the watched modules."""
-
-    def __init__(self, modules: dict[str, nn.Module]) -> None:
-        self.outputs: dict[str, list[torch.Tensor]] = {n: [] for n in modules}
-        self.handles = [
-            m.register_forward_hook(lambda mod, a, out, n=n: self._keep(n, out)) for n, m in modules.items()
-        ]
-
-    def _keep(self, name: str, out: torch.Tensor) -> None:
-        out.retain_grad()
-        self.outputs[name].append(out)
-
-    def sumsq(self, name: str) -> float:
-        return sum(float(o.grad.double().pow(2).sum()) for o in self.outputs[name] if o.grad is not None)
-
-    def clear(self) -> None:
-        for v in self.outputs.values():
-            v.clear()
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
+from .reference import RetainedOutputs
 
 
 def _expected_param_stats(model: nn.Module, layers: dict[str, nn.Module]) -> dict[str, dict[str, float]]:
@@ -69,7 +45,7 @@ def test_every_statistic_at_every_step_matches_independent_computation(tmp_path,
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2) if use_scaler else None
     monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=4, scaler=scaler)
     assert monitor.layers == ["inp", "shared", "head"]
-    capture = OutputGradCapture(layers)
+    capture = RetainedOutputs(model, list(layers))
     expected: dict[int, dict] = {}
     steps = 10  # 2 full windows and a partial one flushed by close()
     for step in range(steps):
@@ -83,7 +59,7 @@ def test_every_statistic_at_every_step_matches_independent_computation(tmp_path,
             scaler.unscale_(opt)
         exp = _expected_param_stats(model, layers)
         for name in layers:
-            exp[name]["out_grad_norm"] = math.sqrt(capture.sumsq(name)) / scale
+            exp[name]["out_grad_norm"] = capture.norm(name) / scale
         expected[step] = exp
         capture.clear()
         monitor.step()
@@ -145,11 +121,11 @@ def test_dead_fraction_written_once_per_window(tmp_path):
 
 def test_module_called_several_times_contributes_every_call(tmp_path):
     model = TwoBranch()
-    capture = OutputGradCapture({"shared": model.shared})
+    capture = RetainedOutputs(model, ["shared"])
     monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=1)
     model(torch.randn(4, 6)).sum().backward()
     assert len(capture.outputs["shared"]) == 2
-    expected = math.sqrt(capture.sumsq("shared"))
+    expected = capture.norm("shared")
     monitor.step()
     monitor.close()
     assert read_scalars(str(tmp_path))["gradwatch/out_grad_norm/shared"][0] == pytest.approx(expected, rel=1e-5)

@@ -1,0 +1,64 @@
+"""GPU check: the benchmark workloads on CUDA, with host syncs made errors between flushes.
+
+    python benchmarks/gpu_check.py     # about 2-4 minutes on one GPU
+
+1. No sync: ``torch.cuda.set_sync_debug_mode("error")`` around gradwatch's non-flush steps
+   (forward, backward, monitor.step(), optimizer step): any synchronising call raises.
+2. Overhead: the interleaved ratio to an unmonitored copy (steps timed with synchronize).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import contenders as C  # noqa: E402
+from benchmarks import workloads as W  # noqa: E402
+from benchmarks.harness import format_table, measure  # noqa: E402
+
+
+def no_sync_check(workload, device: torch.device, steps: int = 10) -> str:
+    torch.manual_seed(0)
+    model = workload.make_model().to(device)
+    watched = C.gradwatch_contender(50)(copy.deepcopy(model), workload, device)
+    # Adam on CUDA with capturable=False keeps its step counters on the host: no sync there.
+    for _ in range(3):
+        watched.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):  # steps 3..12 of a 50-step window: none flushes
+            watched.step()
+    except RuntimeError as exc:
+        return f"SYNC DETECTED: {exc}"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        watched.close()
+    return f"ok: {steps} non-flush steps without a host sync"
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return
+    logging.getLogger("gradwatch").setLevel(logging.ERROR)
+    device = torch.device("cuda")
+    print(f"# gradwatch GPU check  torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    for workload in W.standard():
+        print(f"{workload.name}: {no_sync_check(workload, device)}", flush=True)
+    contenders = [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(1), C.gradwatch_contender(50),
+                  C.LightningGradNorm, C.ItemHook, C.FusedFloor]  # fmt: skip
+    for workload in W.standard():
+        results = measure(workload, contenders, rounds=100, warmup=10, device=device, sync=torch.cuda.synchronize)
+        print(format_table(workload.name, results), flush=True)
+        print(f"peak memory {torch.cuda.max_memory_allocated() / (1 << 20):.0f} MiB (all contenders)")
+
+
+if __name__ == "__main__":
+    main()
