@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from typing import Any, Callable
 
@@ -65,6 +66,7 @@ def gradwatch_contender(flush_every: int) -> type[Contender]:
 
         def close(self):
             self.monitor.close()
+            shutil.rmtree(self.logdir, ignore_errors=True)
 
     return GradWatchContender
 

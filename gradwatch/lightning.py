@@ -106,6 +106,9 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
         self._detach()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        # Other ranks may not reach a collective now: flush this rank's data without one.
+        if self.monitor is not None:
+            self.monitor.sync_dist = False
         self._detach()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:

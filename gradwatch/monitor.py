@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -67,7 +68,15 @@ class GradMonitor:
         self.sync_dist = _dist_world_size() > 1
         self.is_writer = _dist_rank() == 0
 
-        self._recorder = Recorder(self._layer_specs, flush_every, device, self._current_scale)
+        # A weak reference: the hooks hold the recorder, and the recorder must not keep
+        # the monitor alive (so that dropping the monitor removes its hooks).
+        self_ref = weakref.ref(self)
+
+        def scale_source() -> torch.Tensor | None:
+            monitor = self_ref()
+            return None if monitor is None else monitor._current_scale()
+
+        self._recorder = Recorder(self._layer_specs, flush_every, device, scale_source)
         self._param_numel = np.array(
             [sum(p.numel() for p in layer.params) for layer in self._layer_specs], dtype=np.int64
         )

@@ -182,3 +182,15 @@ def test_failing_hook_warns_once_and_training_goes_on(caplog, monkeypatch):
     assert len(failures) == 2  # once per layer, not once per call
     assert model[0].weight.grad is None  # training loop ran to the end (zero_grad set None)
     monitor.close()
+
+
+def test_dropping_an_unclosed_monitor_removes_its_hooks():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    monitor = GradMonitor(model, flush_every=5)
+    model(torch.randn(2, 3)).sum().backward()
+    monitor.step()
+    ref = weakref.ref(monitor)
+    del monitor
+    gc.collect()
+    assert ref() is None  # the hooks on the model do not keep the monitor alive
+    assert all(not m._forward_hooks for m in model.modules())

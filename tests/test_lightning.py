@@ -157,6 +157,7 @@ def test_lightning_cli_configures_the_callback(tmp_path):
     cmd = [
         sys.executable, "-m", "tests.lightning_app.cli", "fit",
         "--trainer.callbacks+=gradwatch.GradWatch", "--trainer.callbacks.flush_every=10",
+        "--trainer.callbacks.config.dead_fraction=0.9", "--trainer.callbacks.config.stop_on=[nonfinite]",
         "--trainer.max_steps=20", "--trainer.accelerator=cpu", "--trainer.devices=1",
         "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
         "--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",

@@ -40,8 +40,8 @@ def custom_scalars_layout() -> dict[str, Any]:
 class TensorBoardSink:
     """Writes windows, alerts and the dashboard layout to a ``SummaryWriter``."""
 
-    #: Rendering the heatmap costs ~150 ms of CPU; render at most this often
-    #: (seconds of wall time). The first flush and the last one (close) always render.
+    #: Rendering the heatmap costs ~150 ms of CPU; render at most once per this many
+    #: seconds of wall time (counted from the start), and always for the last window.
     heatmap_interval_s: float = 60.0
 
     def __init__(self, writer: Any, owns_writer: bool, heatmap: bool = True) -> None:
@@ -49,7 +49,8 @@ class TensorBoardSink:
         self.owns_writer = owns_writer
         self.layout_written = False
         self.heatmap = heatmap
-        self._last_heatmap = -float("inf")
+        self._last_heatmap = time.monotonic()
+        self._undrawn: Window | None = None  # the newest window not drawn yet
 
     def write(self, w: Window, alerts: list[Alert], total_alerts: int, final: bool = False) -> None:
         """Write one window's scalars at the steps they describe, then its alerts."""
@@ -85,6 +86,9 @@ class TensorBoardSink:
         if self.heatmap and (final or now - self._last_heatmap >= self.heatmap_interval_s):
             self._last_heatmap = now
             self._add_heatmap(w)
+            self._undrawn = None
+        else:
+            self._undrawn = w
         self.writer.flush()
 
     def write_histograms(self, named_grads: list[tuple[str, Any]], step: int) -> None:
@@ -119,7 +123,10 @@ class TensorBoardSink:
             self.writer.add_image(f"{PREFIX}/gradient_flow", image, w.steps[-1], dataformats="HWC")
 
     def close(self) -> None:
-        """Flush; close the writer only if gradwatch created it."""
+        """Draw the last window's heatmap if it was not; flush; close the writer only if gradwatch created it."""
+        if self.heatmap and self._undrawn is not None:
+            self._add_heatmap(self._undrawn)
+            self._undrawn = None
         if self.owns_writer:
             self.writer.close()
         else:
