@@ -137,23 +137,22 @@ class HealthChecks:
             med_rms = np.nanmedian(rms, axis=0)
             med_ratio = np.nanmedian(ratio, axis=0)
             med_strongest = np.nanmedian(strongest)
+        with np.errstate(invalid="ignore"):
+            # NaN medians (no gradient in the window: frozen or unused) compare False.
+            below_abs = med_rms < cfg.vanishing_abs_rms
+            below_rel = np.isfinite(med_ratio) & (med_ratio < cfg.vanishing_rel_rms)
+        rel_floor = cfg.vanishing_rel_rms * med_strongest if np.isfinite(med_strongest) else 0.0
+        threshold = max(cfg.vanishing_abs_rms, rel_floor)
         findings = []
-        for i in range(len(self.layers)):
-            if np.isnan(med_rms[i]):
-                continue  # no gradient in this window: frozen or unused, not vanishing
-            below_abs = med_rms[i] < cfg.vanishing_abs_rms
-            below_rel = np.isfinite(med_ratio[i]) and med_ratio[i] < cfg.vanishing_rel_rms
-            if below_abs or below_rel:
-                rel_floor = cfg.vanishing_rel_rms * med_strongest if np.isfinite(med_strongest) else 0.0
-                threshold = max(cfg.vanishing_abs_rms, rel_floor)
-                detail = (
-                    f"gradient RMS {med_rms[i]:.3g} is {med_ratio[i]:.3g} of the strongest layer's"
-                    if np.isfinite(med_ratio[i])
-                    else "gradient is zero"
-                )
-                findings.append(
-                    Finding("vanishing", self.layers[i], w.steps[-1], float(med_rms[i]), threshold, detail)
-                )
+        for i in np.flatnonzero(below_abs | below_rel):
+            detail = (
+                f"gradient RMS {med_rms[i]:.3g} is {med_ratio[i]:.3g} of the strongest layer's"
+                if np.isfinite(med_ratio[i])
+                else "gradient is zero"
+            )
+            findings.append(
+                Finding("vanishing", self.layers[i], w.steps[-1], float(med_rms[i]), threshold, detail)
+            )
         return findings
 
     def _explained_by_vanishing(self, dead: list[Finding], vanishing: list[Finding]) -> list[Finding]:

@@ -57,13 +57,9 @@ def _is_compiling() -> bool:
     return bool(compiler is not None and getattr(compiler, "is_compiling", lambda: False)())
 
 
-_warned_compile = False
-
-
-def _warn_compile_once() -> None:
-    global _warned_compile
-    if not _warned_compile:
-        _warned_compile = True
+def _warn_compile_once(recorder: "Recorder") -> None:
+    if not recorder.warned_compile:
+        recorder.warned_compile = True
         log.warning(
             "gradwatch: inside torch.compile'd code the output-gradient statistics "
             "(out_grad_norm, dead_fraction) and the forward non-finite check are not recorded; "
@@ -83,7 +79,7 @@ def _make_forward_hook(index: int, layer: LayerSpec, recorder: "Recorder") -> Ca
             return
         try:
             if _is_compiling():
-                _warn_compile_once()
+                _warn_compile_once(recorder)
                 return
             if type(output) is tensor_type:
                 if output.is_floating_point():

@@ -45,6 +45,7 @@ class Recorder:
         self.flush_every = flush_every
         self.device = device
         self.active = True
+        self.warned_compile = False
         self._scale_source = scale_source
         n = len(layers)
         self.buffer = StatBuffer(device)

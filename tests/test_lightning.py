@@ -225,3 +225,21 @@ def test_16_mixed_with_gradscaler_reports_unscaled_values(tmp_path, fused):
         for name, (grad_norm, out_norm) in layers.items():
             assert scalars[f"gradwatch/grad_norm/{name}"][step] == pytest.approx(grad_norm, rel=1e-3)
             assert scalars[f"gradwatch/out_grad_norm/{name}"][step] == pytest.approx(out_norm, rel=1e-3)
+
+
+def test_detaches_when_training_raises(tmp_path):
+    class Crashing(Regressor):
+        def training_step(self, idx, batch_idx):
+            if batch_idx == 6:
+                raise RuntimeError("boom")
+            return super().training_step(idx, batch_idx)
+
+    watch = GradWatch(flush_every=4)
+    model = Crashing()
+    trainer = _trainer(tmp_path, [watch], max_steps=20, limit_val_batches=0)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(model)
+    assert watch.monitor is None
+    assert all(not m._forward_hooks for m in model.modules())
+    # the partial window (steps 4-5) was flushed on the way out
+    assert sorted(read_scalars(str(tmp_path / "run"))["gradwatch/grad_norm/net.0"]) == list(range(6))
