@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .sinks.tensorboard import ALERTS_TAG, PREFIX
+from .sinks.tensorboard import ALERTS_TAG, LAYERS_TAG, PREFIX
 
 _ALERT_RE = re.compile(
     r"\[gradwatch\] (?P<kind>\w+) at step (?P<step>-?\d+) in (?:layer (?P<layer>.+?)|the whole model): "
@@ -56,6 +56,7 @@ def read_runs(logdir: str) -> list[RunReport]:
     for run, paths in sorted(by_run.items()):
         scalars: dict[str, dict[int, float]] = {}
         texts: list[str] = []
+        layer_order: list[str] = []
         for path in paths:
             acc = EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 0})
             acc.Reload()
@@ -68,14 +69,20 @@ def read_runs(logdir: str) -> list[RunReport]:
                 if tag == ALERTS_TAG or tag.startswith(ALERTS_TAG + "/"):
                     for event in acc.Tensors(tag):
                         texts.extend(v.decode("utf-8", "replace") for v in event.tensor_proto.string_val)
+                elif (tag == LAYERS_TAG or tag.startswith(LAYERS_TAG + "/")) and not layer_order:
+                    for event in acc.Tensors(tag)[:1]:
+                        text = b"".join(event.tensor_proto.string_val).decode("utf-8", "replace")
+                        layer_order = [name for name in text.split("\n\n") if name]
         if scalars:
-            reports.append(_summarise(run, scalars, texts))
+            reports.append(_summarise(run, scalars, texts, layer_order))
     if not reports:
         raise ReportError(f"no gradwatch data (TensorBoard scalars under '{PREFIX}/') in {logdir}")
     return reports
 
 
-def _summarise(run: str, scalars: dict[str, dict[int, float]], texts: list[str]) -> RunReport:
+def _summarise(
+    run: str, scalars: dict[str, dict[int, float]], texts: list[str], layer_order: list[str]
+) -> RunReport:
     alerts = []
     for text in texts:
         m = _ALERT_RE.search(text)
@@ -113,14 +120,13 @@ def _summarise(run: str, scalars: dict[str, dict[int, float]], texts: list[str])
                 alerts=sum(1 for a in alerts if a["layer"] == layer),
             )
         )
-    order = {name: i for i, name in enumerate(_layer_order(scalars))}
+    order = {name: i for i, name in enumerate(layer_order or _layer_order(scalars))}
     report.layers.sort(key=lambda s: order.get(s.layer, len(order)))
     return report
 
 
 def _layer_order(scalars: dict[str, dict[int, float]]) -> list[str]:
-    # Tags carry no module order; the first step's tags were written in module order
-    # but the reader sorts them, so keep the natural (numeric-aware) order of names.
+    # Logs without the gradwatch/layers text: fall back to a numeric-aware name order.
     names = [t[len(PREFIX) + len("/grad_norm/"):] for t in scalars if t.startswith(f"{PREFIX}/grad_norm/")]
     return sorted(names, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
 

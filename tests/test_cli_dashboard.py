@@ -173,3 +173,22 @@ def test_heatmap_skipped_cleanly_without_matplotlib(tmp_path, monkeypatch, caplo
     from .conftest import read_scalars
 
     assert sorted(read_scalars(str(tmp_path))["gradwatch/grad_norm/0"]) == [0, 1, 2, 3]
+
+
+def test_report_lists_layers_in_module_order_not_alphabetically(tmp_path, capsys):
+    import torch
+    from torch import nn
+
+    from gradwatch import GradMonitor
+
+    model = nn.Sequential()
+    model.add_module("zeta", nn.Linear(3, 4))
+    model.add_module("alpha", nn.Linear(4, 1))
+    with GradMonitor(model, logdir=str(tmp_path), flush_every=2) as monitor:
+        for _ in range(3):
+            model(torch.randn(2, 3)).sum().backward()
+            monitor.step()
+            model.zero_grad()
+    assert main(["report", str(tmp_path), "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [layer["layer"] for layer in data["runs"][0]["layers"]] == ["zeta", "alpha"]

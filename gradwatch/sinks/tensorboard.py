@@ -22,6 +22,7 @@ PREFIX = "gradwatch"
 PER_STEP_STATS = ("grad_norm", "grad_max", "nonfinite", "out_grad_norm")
 WINDOW_STATS = ("dead_fraction",)
 ALERTS_TAG = f"{PREFIX}/alerts"
+LAYERS_TAG = f"{PREFIX}/layers"  # the monitored layers in module order, one per line
 
 
 def tag(stat: str, layer: str) -> str:
@@ -56,6 +57,7 @@ class TensorBoardSink:
         """Write one window's scalars at the steps they describe, then its alerts."""
         if not self.layout_written:
             self.writer.add_custom_scalars(custom_scalars_layout())
+            self.writer.add_text(LAYERS_TAG, "\n\n".join(w.layers), w.steps[0])
             self.layout_written = True
         per_step = {
             "grad_norm": (w.grad_norm, w.has_grad),
