@@ -76,7 +76,9 @@ class GradMonitor:
             monitor = self_ref()
             return None if monitor is None else monitor._current_scale()
 
-        self._recorder = Recorder(self._layer_specs, flush_every, device, scale_source)
+        self._recorder = Recorder(
+            self._layer_specs, flush_every, device, scale_source, project_units=config.dead_eps == 0
+        )
         self._param_numel = np.array(
             [sum(p.numel() for p in layer.params) for layer in self._layer_specs], dtype=np.int64
         )

@@ -74,9 +74,11 @@ def build_window(
     for i, offset in enumerate(unit_offset):
         if offset is None or not window_seen[i]:
             continue
-        unit_norm = np.sqrt(units[offset : offset + unit_count[i]].astype(np.float64))
-        # NaN norms (non-finite gradients) are not dead units.
-        dead[i] = float(np.mean(unit_norm <= dead_eps))
+        # Per unit: a non-negative accumulator that is zero exactly when the unit's
+        # output gradient was zero for every sample (its L2 norm when dead_eps > 0).
+        unit_value = np.sqrt(np.abs(units[offset : offset + unit_count[i]].astype(np.float64)))
+        # NaN (non-finite gradients) is not a dead unit.
+        dead[i] = float(np.mean(unit_value <= dead_eps))
 
     skipped = None
     if scaler_in_use:

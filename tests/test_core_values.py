@@ -224,3 +224,18 @@ def test_step_numbers_and_state_dict_round_trip(tmp_path):
     assert list(read_scalars(str(tmp_path / "b"))["gradwatch/grad_norm/0"]) == [104]
     # 4 steps of history came back with the state, plus the one recorded after resuming.
     assert resumed._checks.steps_seen == 5
+
+
+@pytest.mark.parametrize("dead_eps,expected", [(0.0, 0.25), (1e-3, 0.5)])
+def test_dead_units_exact_zero_and_with_dead_eps(dead_eps, expected):
+    from gradwatch import HealthConfig
+
+    lin = nn.Linear(4, 4)
+    mask = torch.tensor([1.0, 1.0, 1e-7, 0.0])  # unit 2: tiny gradient, unit 3: none at all
+    monitor = GradMonitor(lin, flush_every=3, config=HealthConfig(dead_eps=dead_eps))
+    for _ in range(3):
+        (lin(torch.randn(8, 4)) * mask).sum().backward()
+        monitor.step()
+        lin.zero_grad()
+    assert monitor.last_window.dead_fraction[0] == pytest.approx(expected)
+    monitor.close()
