@@ -195,22 +195,30 @@ class HealthChecks:
         """Per step and column: factor x max(history baseline, median of earlier steps).
 
         Only earlier steps count, so a run whose gradients shrink fast (normal
-        early in training) never looks like it exploded at its first steps.
+        early in training) never looks like it exploded at its first steps. The
+        window median can only raise the history ceiling, so it is computed only
+        for the values that exceed the history ceiling (or have no history):
+        in steady state that is none, and a flush costs no median at all.
         """
         cfg = self.config
-        n = table.shape[0]
+        n, m = table.shape
         ceilings = np.full(table.shape, np.inf)
-        for t in range(n):
-            if self.steps_seen + t < cfg.exploding_warmup_steps:
-                continue
-            base = self.baseline.copy()
-            earlier = table[:t]
-            enough = np.sum(np.isfinite(earlier), axis=0) >= _MIN_STEPS_FOR_WINDOW_BASELINE
-            if enough.any():
-                med = np.nanmedian(earlier[:, enough], axis=0)
-                base[enough] = np.fmax(base[enough], med)
-            ok = np.isfinite(base) & (base > 0)
-            ceilings[t, ok] = cfg.exploding_factor * base[ok]
+        history = self.baseline
+        has_history = np.isfinite(history) & (history > 0)
+        hist_ceiling = np.where(has_history, cfg.exploding_factor * np.where(has_history, history, 0.0), np.inf)
+        warm = (self.steps_seen + np.arange(n)) >= cfg.exploding_warmup_steps
+        ceilings[warm] = hist_ceiling
+        with np.errstate(invalid="ignore"):
+            candidates = np.isfinite(table) & warm[:, None] & ((table > hist_ceiling) | ~has_history)
+        for t, j in zip(*np.nonzero(candidates)):
+            earlier = table[:t, j]
+            earlier = earlier[np.isfinite(earlier)]
+            if earlier.size >= _MIN_STEPS_FOR_WINDOW_BASELINE:
+                base = np.median(earlier)
+                if has_history[j]:
+                    base = max(base, history[j])
+                if base > 0:
+                    ceilings[t, j] = cfg.exploding_factor * base
         return ceilings
 
     # ---------------------------------------------------------------- state

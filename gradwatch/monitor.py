@@ -90,7 +90,10 @@ class GradMonitor:
         elif self.is_writer and logdir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._sink = TensorBoardSink(SummaryWriter(log_dir=str(logdir)), owns_writer=True)
+            # A deep queue so that a flush's events never wait for the writer thread;
+            # flush_secs bounds how stale the files on disk can be.
+            writer = SummaryWriter(log_dir=str(logdir), max_queue=1000, flush_secs=30)
+            self._sink = TensorBoardSink(writer, owns_writer=True)
         self._window_steps: list[int] = []
         self._next_step = 0
         # Set by adapters when an optimizer leaves its gradients scaled at step().

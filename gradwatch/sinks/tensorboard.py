@@ -91,7 +91,8 @@ class TensorBoardSink:
             self._undrawn = None
         else:
             self._undrawn = w
-        self.writer.flush()
+        # No writer.flush() here: it would wait for the writer thread to put every event on
+        # disk. Events reach disk at the writer's own pace (flush_secs) and at close().
 
     def write_histograms(self, named_grads: list[tuple[str, Any]], step: int) -> None:
         """Per-layer gradient histograms (host copy of every gradient: costly, off by default)."""
