@@ -208,8 +208,15 @@ class HealthChecks:
         hist_ceiling = np.where(has_history, cfg.exploding_factor * np.where(has_history, history, 0.0), np.inf)
         warm = (self.steps_seen + np.arange(n)) >= cfg.exploding_warmup_steps
         ceilings[warm] = hist_ceiling
+        # The median of earlier steps is at least their minimum: a value within
+        # factor x the running minimum cannot exceed factor x the median.
+        shifted = np.vstack([np.full((1, m), np.nan), table[:-1]])
+        running_min = np.fmin.accumulate(shifted, axis=0)
         with np.errstate(invalid="ignore"):
-            candidates = np.isfinite(table) & warm[:, None] & ((table > hist_ceiling) | ~has_history)
+            above_min = ~(table <= cfg.exploding_factor * running_min)  # also True where no minimum yet
+            candidates = (
+                np.isfinite(table) & warm[:, None] & above_min & ((table > hist_ceiling) | ~has_history)
+            )
         for t, j in zip(*np.nonzero(candidates)):
             earlier = table[:t, j]
             earlier = earlier[np.isfinite(earlier)]
