@@ -24,7 +24,7 @@ PARAM_MAX = "param_max"
 PARAM_NONFINITE = "param_nonfinite"
 OUT_SUMSQ = "out_sumsq"
 FWD_NONFINITE = "fwd_nonfinite"
-UNIT_SUMSQ = "unit_sumsq"  # per unit, accumulated over the window
+UNIT_SUMSQ = "unit_sumsq"  # per unit, over the window: zero exactly for dead units
 
 # Fold pending output-gradient norms into the buffer once this many are queued,
 # so that forward/backward without step() cannot grow memory.
