@@ -16,6 +16,7 @@ count pass runs only for tensors whose sum of squares is not finite.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import numpy as np
@@ -58,9 +59,46 @@ def _abs_max(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(grads, _INF))
 
 
-def _nonfinite_counts(grads: list[torch.Tensor]) -> torch.Tensor:
-    # g - g is 0 for finite values and NaN for NaN/Inf; the 0-"norm" counts the NaNs.
-    return torch.stack(torch._foreach_norm(torch._foreach_sub(grads, grads), 0))
+# Temporaries of the non-finite count are bounded to this many elements at a time.
+_COUNT_CHUNK = 1 << 24
+
+
+def _nonfinite_counts(grads: list[torch.Tensor], chunk: int = _COUNT_CHUNK) -> torch.Tensor:
+    """Per-tensor number of NaN/Inf elements, as one float32 tensor on the gradients' device.
+
+    ``g - g`` is 0 for finite values and NaN for NaN/Inf, and the 0-"norm" counts the
+    non-zeros. The gradients are cut into flat views of at most ``chunk`` elements and
+    processed a batch of at most ``chunk`` elements at a time, so the temporaries never
+    exceed ``chunk`` elements however large the model (a 7B-parameter model would
+    otherwise allocate a second copy of all its gradients).
+    """
+    pieces: list[torch.Tensor] = []
+    owners: list[int] = []
+    for i, g in enumerate(grads):
+        for piece in g.reshape(-1).split(chunk):
+            pieces.append(piece)
+            owners.append(i)
+    counts: list[torch.Tensor] = []
+    start, size = 0, 0
+    for end, piece in enumerate(pieces + [None]):  # type: ignore[operator]
+        if piece is None or (size + piece.numel() > chunk and end > start):
+            batch = pieces[start:end]
+            counts.extend(torch._foreach_norm(torch._foreach_sub(batch, batch), 0))
+            start, size = end, 0
+        if piece is not None:
+            size += piece.numel()
+    device = grads[0].device
+    per_piece = torch.stack(counts).to(torch.float32)
+    if len(pieces) == len(grads):
+        return per_piece
+    out = torch.zeros(len(grads), dtype=torch.float32, device=device)
+    return out.index_add_(0, _owner_index(tuple(owners), device), per_piece)
+
+
+@functools.lru_cache(maxsize=32)
+def _owner_index(owners: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # Cached: building it again every step would be a host-to-device copy per step.
+    return torch.tensor(owners, device=device)
 
 
 class ParamStats:

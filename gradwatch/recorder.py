@@ -102,7 +102,10 @@ class Recorder:
                 return
         # sum(out) is non-finite exactly when the output holds a NaN/Inf (or overflows
         # float32, which is as alarming); fold() reduces the queued sums in one go.
-        self._fwd_sums.append(out.detach().sum(dtype=torch.float32))
+        total = out.detach().sum(dtype=torch.float32)
+        if total.device != self.device:  # a model spread over several devices
+            total = total.to(self.device, non_blocking=True)
+        self._fwd_sums.append(total)
         self._fwd_layer.append(index)
         if len(self._fwd_sums) > _MAX_PENDING_PER_LAYER * len(self.layers):
             self.fold()
@@ -129,9 +132,14 @@ class Recorder:
         limit = _MAX_PENDING_PER_LAYER * len(self.layers)
         reduce = _output_grad_reducer(ndim, unit_dim, units, self.project_units, self._weights)
 
+        device = self.device
+
         def grad_hook(grad: torch.Tensor) -> None:
             try:
                 sumsq, per_unit = reduce(grad)
+                if sumsq.device != device:  # a model spread over several devices
+                    sumsq = sumsq.to(device, non_blocking=True)
+                    per_unit = per_unit.to(device, non_blocking=True)
                 pending_sq.append(sumsq)
                 pending_units.append(per_unit)
                 pending_layer.append(index)

@@ -239,3 +239,16 @@ def test_dead_units_exact_zero_and_with_dead_eps(dead_eps, expected):
         lin.zero_grad()
     assert monitor.last_window.dead_fraction[0] == pytest.approx(expected)
     monitor.close()
+
+
+def test_chunked_nonfinite_count_matches_isfinite():
+    """The accelerator path counts in bounded chunks; checked here on CPU tensors."""
+    from gradwatch.param_stats import _nonfinite_counts
+
+    grads = [torch.randn(1000), torch.randn(37, 11), torch.randn(5), torch.randn(3000)]
+    grads[0][[3, 999]] = float("nan")
+    grads[1][4, 7] = float("inf")
+    grads[3][::500] = -float("inf")
+    expected = [float((~torch.isfinite(g)).sum()) for g in grads]
+    for chunk in (64, 1000, 10**6):
+        assert _nonfinite_counts(grads, chunk=chunk).tolist() == expected
