@@ -22,6 +22,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
+from .devices import index_tensor
 from .layers import LayerSpec
 
 _INF = float("inf")
@@ -98,7 +99,7 @@ def _nonfinite_counts(grads: list[torch.Tensor], chunk: int = _COUNT_CHUNK) -> t
 @functools.lru_cache(maxsize=32)
 def _owner_index(owners: tuple[int, ...], device: torch.device) -> torch.Tensor:
     # Cached: building it again every step would be a host-to-device copy per step.
-    return torch.tensor(owners, device=device)
+    return index_tensor(owners, device)
 
 
 class ParamStats:
@@ -166,7 +167,7 @@ class ParamStats:
     def _layer_index(self, owners: tuple[int, ...], device: torch.device) -> torch.Tensor:
         index = self._index_cache.get(owners)
         if index is None:
-            index = torch.tensor([self.param_layer[j] for j in owners], device=device)
+            index = index_tensor([self.param_layer[j] for j in owners], device)
             if len(self._index_cache) < 64:
                 self._index_cache[owners] = index
         return index

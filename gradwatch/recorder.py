@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .buffer import StatBuffer
+from .devices import index_tensor
 from .layers import LayerSpec
 from .param_stats import ParamStats
 
@@ -177,7 +178,7 @@ class Recorder:
             key = tuple(self._fwd_layer)
             index = self._fwd_index_cache.get(key)
             if index is None:
-                index = torch.tensor(key, device=self.device)
+                index = index_tensor(key, self.device)
                 if len(self._fwd_index_cache) < 64:
                     self._fwd_index_cache[key] = index
             # 0 * sum is 0 for finite sums and NaN otherwise: the row becomes NaN
@@ -219,8 +220,8 @@ class Recorder:
             assert offset is not None
             unit_idx.append(np.arange(offset, offset + per_unit.numel()))
         idx = (
-            torch.as_tensor(np.concatenate(unit_idx), device=self.device),
-            torch.tensor(key, device=self.device),
+            index_tensor(np.concatenate(unit_idx), self.device),
+            index_tensor(key, self.device),
         )
         if len(self._index_cache) < 64:
             self._index_cache[key] = idx
@@ -339,13 +340,24 @@ class _ProjectionWeights:
 
     def __init__(self) -> None:
         self._cache: dict[tuple[int, torch.device], torch.Tensor] = {}
-        self._generator = torch.Generator().manual_seed(20261129)
+        self._generators: dict[torch.device, torch.Generator] = {}
 
     def get(self, length: int, device: torch.device) -> torch.Tensor:
         key = (length, device)
         weights = self._cache.get(key)
         if weights is None:
-            weights = (torch.rand(length, generator=self._generator) + 1.0).to(device)
+            # Drawn on the device itself: no host-to-device copy, whatever the batch size.
+            generator = self._generators.get(device)
+            if generator is None:
+                try:
+                    generator = torch.Generator(device=device).manual_seed(20261129)
+                except RuntimeError:  # a backend without its own generators
+                    generator = torch.Generator().manual_seed(20261129)
+                self._generators[device] = generator
+            if generator.device == device or generator.device.type == device.type:
+                weights = torch.rand(length, generator=generator, device=device).add_(1.0)
+            else:
+                weights = torch.rand(length, generator=generator).add_(1.0).to(device)
             if len(self._cache) < 32:
                 self._cache[key] = weights
         return weights
