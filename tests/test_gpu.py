@@ -1,0 +1,50 @@
+"""Checks that need a CUDA device (skipped without one; benchmarks/gpu_check.py does more)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gradwatch import GradMonitor
+
+from .reference import own_grad_norm
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_no_host_sync_between_flushes_on_cuda():
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+        nn.Flatten(), nn.Linear(8 * 64, 10),
+    ).to(device)  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = GradMonitor(model, flush_every=10)
+    x, y = torch.randn(4, 3, 8, 8, device=device), torch.randint(0, 10, (4,), device=device)
+
+    def step():
+        nn.functional.cross_entropy(model(x), y).backward()
+        monitor.step()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):  # caches built, index tensors on the device
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):  # steps 3..7 of a 10-step window: none flushes
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    nn.functional.cross_entropy(model(x), y).backward()
+    expected = {name: own_grad_norm(model.get_submodule(name)) for name in monitor.layers}
+    monitor.step()
+    monitor.flush()
+    w = monitor.last_window
+    for name, value in expected.items():
+        assert w.grad_norm[-1, w.layers.index(name)] == pytest.approx(value, rel=1e-4)
+    monitor.close()
