@@ -192,3 +192,41 @@ def test_report_lists_layers_in_module_order_not_alphabetically(tmp_path, capsys
     assert main(["report", str(tmp_path), "--format", "json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [layer["layer"] for layer in data["runs"][0]["layers"]] == ["zeta", "alpha"]
+
+
+def test_optional_histograms_hold_the_gradients_of_the_flush_step(tmp_path):
+    import glob
+
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch import nn
+
+    from gradwatch import GradMonitor
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    with GradMonitor(model, logdir=str(tmp_path), flush_every=2, histograms=True) as monitor:
+        for step in range(2):
+            model(torch.randn(5, 3)).sum().backward()
+            if step == 1:
+                expected = torch.cat([p.grad.reshape(-1) for p in model[0].parameters()])
+            monitor.step()
+            model.zero_grad()
+    acc = EventAccumulator(glob.glob(str(tmp_path / "events.out.tfevents.*"))[0], size_guidance={"histograms": 0})
+    acc.Reload()
+    assert {"gradwatch/hist/0", "gradwatch/hist/1"} <= set(acc.Tags()["histograms"])
+    hist = acc.Histograms("gradwatch/hist/0")[0]
+    assert hist.step == 1
+    assert hist.histogram_value.num == expected.numel()
+    assert hist.histogram_value.sum == pytest.approx(float(expected.sum()), rel=1e-5, abs=1e-6)
+    assert hist.histogram_value.max == pytest.approx(float(expected.max()), rel=1e-6)
+
+
+def test_no_histograms_by_default(demo_runs):
+    import glob
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    path = glob.glob(os.path.join(demo_runs["none"][0], "events.out.tfevents.*"))[0]
+    acc = EventAccumulator(path, size_guidance={"histograms": 0})
+    acc.Reload()
+    assert acc.Tags()["histograms"] == []
