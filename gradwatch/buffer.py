@@ -42,14 +42,21 @@ class StatBuffer:
         self._views: dict[str, torch.Tensor] = {}
 
     def add_state(self, name: str, shape: tuple[int, ...], reduce: Reduce) -> None:
-        """Declare (or resize) a state; existing values of other states are kept."""
+        """Declare or resize a state; every value already held is kept.
+
+        A resized state keeps the values of its overlapping leading elements (flat
+        order), so growing the per-unit state mid-window, when a layer runs for the
+        first time, does not forget what the other layers accumulated.
+        """
         if reduce not in _ORDER:
             raise ValueError(f"reduce must be one of {_ORDER}, got {reduce!r}")
-        old = {n: self._views[n].clone() for n in self._states if n != name}
+        old = {n: self._views[n].reshape(-1).clone() for n in self._states}
         self._states[name] = _State(name, tuple(shape), reduce)
         self._layout()
         for n, value in old.items():
-            self._views[n].copy_(value)
+            target = self._views[n].view(-1)
+            keep = min(value.numel(), target.numel())
+            target[:keep].copy_(value[:keep])
 
     def _layout(self) -> None:
         offset = 0
@@ -66,9 +73,6 @@ class StatBuffer:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._views[name]
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._states
 
     @property
     def nbytes(self) -> int:

@@ -252,3 +252,27 @@ def test_chunked_nonfinite_count_matches_isfinite():
     expected = [float((~torch.isfinite(g)).sum()) for g in grads]
     for chunk in (64, 1000, 10**6):
         assert _nonfinite_counts(grads, chunk=chunk).tolist() == expected
+
+
+def test_layer_first_used_mid_window_keeps_other_layers_unit_counters():
+    """Growing the per-unit buffer for a late layer must not forget earlier steps of the window."""
+
+    class Late(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 4)
+            self.b = nn.Linear(3, 4)
+
+        def forward(self, x, step):
+            out = self.a(x) * (1.0 if step == 0 else 0.0)  # a: a gradient only at step 0
+            return out + self.b(x) if step >= 1 else out  # b: runs from step 1 on
+
+    model = Late()
+    monitor = GradMonitor(model, flush_every=3)
+    for step in range(3):
+        model(torch.randn(5, 3), step).sum().backward()
+        monitor.step()
+        model.zero_grad()
+    # a's units got a gradient at step 0, so none is dead over the window
+    assert monitor.last_window.dead_fraction.tolist() == [0.0, 0.0]
+    monitor.close()
