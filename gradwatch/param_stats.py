@@ -16,13 +16,12 @@ count pass runs only for tensors whose sum of squares is not finite.
 
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
 
 import numpy as np
 import torch
 
-from .devices import index_tensor
+from .devices import IndexCache
 from .layers import LayerSpec
 
 _INF = float("inf")
@@ -88,24 +87,18 @@ def _nonfinite_counts(grads: list[torch.Tensor], chunk: int = _COUNT_CHUNK) -> t
             start, size = end, 0
         if piece is not None:
             size += piece.numel()
-    device = grads[0].device
-    per_piece = torch.stack(counts).to(torch.float32)
-    if len(pieces) == len(grads):
-        return per_piece
-    out = torch.zeros(len(grads), dtype=torch.float32, device=device)
-    return out.index_add_(0, _owner_index(tuple(owners), device), per_piece)
-
-
-@functools.lru_cache(maxsize=32)
-def _owner_index(owners: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    # Cached: building it again every step would be a host-to-device copy per step.
-    return index_tensor(owners, device)
+    if len(pieces) > len(grads):  # add up the pieces of each split tensor
+        per_tensor: list[list[torch.Tensor]] = [[] for _ in grads]
+        for owner, count in zip(owners, counts):
+            per_tensor[owner].append(count)
+        counts = [c[0] if len(c) == 1 else torch.stack(c).sum() for c in per_tensor]
+    return torch.stack(counts).to(torch.float32)
 
 
 class ParamStats:
     """Per-layer sum of squares, max |g| and non-finite count of parameter gradients."""
 
-    def __init__(self, layers: list[LayerSpec]) -> None:
+    def __init__(self, layers: list[LayerSpec], device: torch.device) -> None:
         self.params: list[torch.nn.Parameter] = []
         self.param_layer: list[int] = []
         for index, layer in enumerate(layers):
@@ -114,7 +107,7 @@ class ParamStats:
                 self.param_layer.append(index)
         self.n_layers = len(layers)
         self.sharded = any(_is_dtensor(p) for p in self.params)
-        self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        self._owner_layers = IndexCache(device)  # parameters with a gradient -> their layers
         # Host memory shared with a tensor (CPU path only, see module docstring).
         self._cpu_sq = torch.zeros(len(self.params), dtype=torch.float32)
         self._cpu_sq_view = self._cpu_sq.numpy()
@@ -144,7 +137,8 @@ class ParamStats:
             present[self.param_layer[j]] += 1
         device = sumsq_row.device
         for (grad_device, _, _), (grads, owners) in groups.items():
-            index = self._layer_index(tuple(owners), device)
+            key = tuple(owners)
+            index = self._owner_layers.get(key, lambda: [self.param_layer[j] for j in key])
             sq_list = _sq_norms(grads)
             if grad_device.type == "cpu":
                 k = len(sq_list)
@@ -163,14 +157,6 @@ class ParamStats:
             sumsq_row.index_add_(0, index, sq)
             max_row.scatter_reduce_(0, index, mx, "amax", include_self=True)
         return present
-
-    def _layer_index(self, owners: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        index = self._index_cache.get(owners)
-        if index is None:
-            index = index_tensor([self.param_layer[j] for j in owners], device)
-            if len(self._index_cache) < 64:
-                self._index_cache[owners] = index
-        return index
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .buffer import StatBuffer
-from .devices import index_tensor
+from .devices import IndexCache
 from .layers import LayerSpec
 from .param_stats import ParamStats
 
@@ -54,7 +54,7 @@ class Recorder:
         self._scale_source = scale_source
         n = len(layers)
         self.buffer = StatBuffer(device)
-        self.param_stats = ParamStats(layers)
+        self.param_stats = ParamStats(layers, device)
         # Parameter gradients are identical on every data-parallel rank after
         # backward; sharded ones (FSDP2 DTensors) are partial sums and maxima.
         param_reduce = "sum" if self.param_stats.sharded else "none"
@@ -81,12 +81,13 @@ class Recorder:
         self.unit_count: list[int] = [0] * n
         self._fwd_sums: list[torch.Tensor] = []
         self._fwd_layer: list[int] = []
-        self._fwd_index_cache: dict[tuple[int, ...], torch.Tensor] = {}
         self._pending: list[torch.Tensor] = []  # per-unit dead-test vectors
         self._pending_sq: list[torch.Tensor] = []  # sums of squares
         self._pending_layer: list[int] = []
         self._weights = _ProjectionWeights()
-        self._index_cache: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        # key: the layer of each queued call, in order
+        self._call_layers = IndexCache(device)  # -> that layer index per call
+        self._call_units = IndexCache(device)  # -> the buffer offsets of each call's units
         self._grad_hooks: dict[tuple[int, int], Callable] = {}
         self._failures: set[str] = set()
 
@@ -175,12 +176,7 @@ class Recorder:
     def fold(self) -> None:
         """Reduce the queued forward sums and output-gradient partials into the current step's row."""
         if self._fwd_sums:
-            key = tuple(self._fwd_layer)
-            index = self._fwd_index_cache.get(key)
-            if index is None:
-                index = index_tensor(key, self.device)
-                if len(self._fwd_index_cache) < 64:
-                    self._fwd_index_cache[key] = index
+            index = self._call_layers.get(tuple(self._fwd_layer))
             # 0 * sum is 0 for finite sums and NaN otherwise: the row becomes NaN
             # exactly where some call of the layer produced a non-finite output.
             self.buffer[FWD_NONFINITE][self.slot].index_add_(0, index, torch.stack(self._fwd_sums).mul_(0.0))
@@ -196,10 +192,8 @@ class Recorder:
                 seen.add(i)
                 self.backward_order.append(i)
         key = tuple(layers_of)
-        idx = self._index_cache.get(key)
-        if idx is None:
-            idx = self._build_index(key, pending)
-        unit_idx, call_layer_idx = idx
+        call_layer_idx = self._call_layers.get(key)
+        unit_idx = self._call_units.get(key, lambda: self._unit_positions(key))
         squares = torch.stack(self._pending_sq)
         scale = self._scale_source()
         if scale is not None:
@@ -211,21 +205,13 @@ class Recorder:
         self._pending_sq.clear()
         layers_of.clear()
 
-    def _build_index(
-        self, key: tuple[int, ...], pending: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        unit_idx = []
-        for layer, per_unit in zip(key, pending):
+    def _unit_positions(self, key: tuple[int, ...]) -> np.ndarray:
+        positions = []
+        for layer in key:
             offset = self.unit_offset[layer]
             assert offset is not None
-            unit_idx.append(np.arange(offset, offset + per_unit.numel()))
-        idx = (
-            index_tensor(np.concatenate(unit_idx), self.device),
-            index_tensor(key, self.device),
-        )
-        if len(self._index_cache) < 64:
-            self._index_cache[key] = idx
-        return idx
+            positions.append(np.arange(offset, offset + self.unit_count[layer]))
+        return np.concatenate(positions)
 
     def record_step(self, params_scaled: bool = False) -> None:
         """Write this step's statistics into the current row; no host sync.
