@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 ALERT_KINDS = ("vanishing", "exploding", "dead_units", "nonfinite")
 
@@ -80,7 +80,3 @@ class HealthConfig:
                 f"choose from {list(ALERT_KINDS)}"
             )
         self.stop_on = stop_on
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]

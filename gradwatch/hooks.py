@@ -48,9 +48,6 @@ class HookSet:
             handle.remove()
         self._handles.clear()
 
-    def __len__(self) -> int:
-        return len(self._handles)
-
 
 def _is_compiling() -> bool:
     compiler = getattr(torch, "compiler", None)

@@ -17,7 +17,7 @@ from .hooks import HookSet
 from .layers import discover_layers
 from .recorder import Recorder
 from .sinks.tensorboard import TensorBoardSink
-from .window import build_window
+from .window import Window, build_window
 
 log = logging.getLogger("gradwatch")
 
@@ -64,7 +64,6 @@ class GradMonitor:
         self._names = [layer.name for layer in self._layer_specs]
         device = self._layer_specs[0].params[0].device
 
-        self._dist_group: Any = None
         self.sync_dist = _dist_world_size() > 1
         self.is_writer = _dist_rank() == 0
 
@@ -99,6 +98,7 @@ class GradMonitor:
         # Set by adapters when an optimizer leaves its gradients scaled at step().
         self._params_scaled = False
         self._closed = False
+        self.last_window: Window | None = None  # the most recent flushed window
         self._hooks = HookSet(self._layer_specs, self._recorder)
 
     # ------------------------------------------------------------ properties
@@ -154,9 +154,10 @@ class GradMonitor:
         if recorder.slot == 0:
             return []
         steps = self._window_steps
+        self._window_steps = []
         try:
             if self.sync_dist:
-                recorder.buffer.all_reduce(self._dist_group)
+                recorder.buffer.all_reduce()
             host = recorder.buffer.to_host()
             window = build_window(
                 host,
@@ -173,11 +174,9 @@ class GradMonitor:
             )
         except Exception as exc:
             log.warning("gradwatch: flush failed (%s: %s); this window is dropped", type(exc).__name__, exc)
-            recorder.reset_window()
-            self._window_steps = []
             return []
-        recorder.reset_window()
-        self._window_steps = []
+        finally:
+            recorder.reset_window()
         findings = self._checks.check(window)
         new = self._tracker.update(findings, steps[-1])
         if self._sink is not None:
