@@ -95,8 +95,7 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
             scaler=getattr(trainer.precision_plugin, "scaler", None),
             histograms=self.histograms,
         )
-        monitor.sync_dist = trainer.world_size > 1
-        monitor.is_writer = trainer.global_rank == 0
+        monitor.sync_dist = trainer.world_size > 1  # ranks other than 0 got no writer above
         if self._pending_state is not None:
             monitor.load_state_dict(self._pending_state)
             self._pending_state = None

@@ -65,7 +65,7 @@ class GradMonitor:
         device = self._layer_specs[0].params[0].device
 
         self.sync_dist = _dist_world_size() > 1
-        self.is_writer = _dist_rank() == 0
+        is_writer = _dist_rank() == 0  # only rank 0 writes
 
         # A weak reference: the hooks hold the recorder, and the recorder must not keep
         # the monitor alive (so that dropping the monitor removes its hooks).
@@ -84,9 +84,9 @@ class GradMonitor:
         self._checks = HealthChecks(config, self._names)
         self._tracker = AlertTracker(config.remind_every)
         self._sink: TensorBoardSink | None = None
-        if self.is_writer and writer is not None:
+        if is_writer and writer is not None:
             self._sink = TensorBoardSink(writer, owns_writer=False)
-        elif self.is_writer and logdir is not None:
+        elif is_writer and logdir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
             # A deep queue so that a flush's events never wait for the writer thread;

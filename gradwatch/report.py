@@ -64,12 +64,11 @@ def read_runs(logdir: str) -> list[RunReport]:
             for tag in tags.get("scalars", []):
                 if tag.startswith(PREFIX + "/"):
                     scalars.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
-            # SummaryWriter.add_text stores "<tag>/text_summary"
             for tag in tags.get("tensors", []):
-                if tag == ALERTS_TAG or tag.startswith(ALERTS_TAG + "/"):
+                if _is_text_tag(tag, ALERTS_TAG):
                     for event in acc.Tensors(tag):
                         texts.extend(v.decode("utf-8", "replace") for v in event.tensor_proto.string_val)
-                elif (tag == LAYERS_TAG or tag.startswith(LAYERS_TAG + "/")) and not layer_order:
+                elif _is_text_tag(tag, LAYERS_TAG) and not layer_order:
                     for event in acc.Tensors(tag)[:1]:
                         text = b"".join(event.tensor_proto.string_val).decode("utf-8", "replace")
                         layer_order = [name for name in text.split("\n\n") if name]
@@ -78,6 +77,11 @@ def read_runs(logdir: str) -> list[RunReport]:
     if not reports:
         raise ReportError(f"no gradwatch data (TensorBoard scalars under '{PREFIX}/') in {logdir}")
     return reports
+
+
+def _is_text_tag(tag: str, base: str) -> bool:
+    # SummaryWriter.add_text stores "<tag>/text_summary"
+    return tag == base or tag.startswith(base + "/")
 
 
 def _summarise(

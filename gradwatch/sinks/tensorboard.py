@@ -72,7 +72,7 @@ class TensorBoardSink:
             for stat, (table, mask) in per_step.items():
                 row, row_mask, row_tags = table[t], mask[t], tags[stat]
                 values.extend((row_tags[i], float(row[i])) for i in np.flatnonzero(row_mask))
-            if np.isfinite(w.global_grad_norm[t]) or w.has_grad[t].any():
+            if w.has_grad[t].any():  # the global norm exists exactly then
                 values.append((tag("grad_norm", ""), float(w.global_grad_norm[t])))
                 values.append((tag("nonfinite", ""), float(np.nansum(w.nonfinite[t]))))
             if t == last:
