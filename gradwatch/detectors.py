@@ -17,9 +17,8 @@ from .window import Window
 
 log = logging.getLogger("gradwatch")
 
-# A window needs this many valid steps before its own median may stand in for
-# a missing history baseline in the exploding test.
-_MIN_STEPS_FOR_WINDOW_BASELINE = 8
+# The exploding test compares a step with the largest of this many earlier calm steps.
+_RECENT_STEPS = 10
 
 
 class HealthChecks:
@@ -31,6 +30,9 @@ class HealthChecks:
         # Running maximum of earlier windows' median grad_norm, per layer and
         # (last entry) for the global norm; NaN until a window had data.
         self.baseline = np.full(len(layers) + 1, np.nan)
+        # The last _RECENT_STEPS calm values per column (a ring per column; NaN: none yet).
+        self.recent = np.full((_RECENT_STEPS, len(layers) + 1), np.nan)
+        self.recent_slot = np.zeros(len(layers) + 1, dtype=np.int64)
         self.steps_seen = 0
         self.skipped_steps = 0
 
@@ -192,40 +194,31 @@ class HealthChecks:
         return findings
 
     def _causal_ceilings(self, table: np.ndarray) -> np.ndarray:
-        """Per step and column: factor x max(history baseline, median of earlier steps).
+        """Per step and column: factor x max(long-run baseline, largest of the last calm steps).
 
-        Only earlier steps count, so a run whose gradients shrink fast (normal
-        early in training) never looks like it exploded at its first steps. The
-        window median can only raise the history ceiling, so it is computed only
-        for the values that exceed the history ceiling (or have no history):
-        in steady state that is none, and a flush costs no median at all.
+        Causal: a step is compared only with earlier steps. The recent reference is
+        the largest of the last ``_RECENT_STEPS`` calm (not exploded, finite) values,
+        carried across windows, so gradients that grow smoothly (Adam's first
+        hundred steps, a learning-rate warm-up) raise their own bar as they go,
+        while a jump of ``factor`` x within a few steps does not. Exploded steps
+        never enter the reference, so an explosion that persists stays flagged.
         """
         cfg = self.config
         n, m = table.shape
-        ceilings = np.full(table.shape, np.inf)
-        history = self.baseline
-        has_history = np.isfinite(history) & (history > 0)
-        hist_ceiling = np.where(has_history, cfg.exploding_factor * np.where(has_history, history, 0.0), np.inf)
-        warm = (self.steps_seen + np.arange(n)) >= cfg.exploding_warmup_steps
-        ceilings[warm] = hist_ceiling
-        # The median of earlier steps is at least their minimum: a value within
-        # factor x the running minimum cannot exceed factor x the median.
-        shifted = np.vstack([np.full((1, m), np.nan), table[:-1]])
-        running_min = np.fmin.accumulate(shifted, axis=0)
-        with np.errstate(invalid="ignore"):
-            above_min = ~(table <= cfg.exploding_factor * running_min)  # also True where no minimum yet
-            candidates = (
-                np.isfinite(table) & warm[:, None] & above_min & ((table > hist_ceiling) | ~has_history)
-            )
-        for t, j in zip(*np.nonzero(candidates)):
-            earlier = table[:t, j]
-            earlier = earlier[np.isfinite(earlier)]
-            if earlier.size >= _MIN_STEPS_FOR_WINDOW_BASELINE:
-                base = np.median(earlier)
-                if has_history[j]:
-                    base = max(base, history[j])
-                if base > 0:
-                    ceilings[t, j] = cfg.exploding_factor * base
+        ceilings = np.full((n, m), np.inf)
+        history = np.where(np.isfinite(self.baseline) & (self.baseline > 0), self.baseline, 0.0)
+        recent, slot = self.recent, self.recent_slot
+        columns = np.arange(m)
+        for t in range(n):
+            if self.steps_seen + t >= cfg.exploding_warmup_steps:
+                reference = np.fmax(history, np.fmax.reduce(recent, axis=0))  # fmax skips NaN
+                known = reference > 0
+                ceilings[t, known] = cfg.exploding_factor * reference[known]
+            row = table[t]
+            with np.errstate(invalid="ignore"):
+                calm = np.isfinite(row) & (row <= ceilings[t]) & (row <= cfg.exploding_abs_norm)
+            recent[slot[calm], columns[calm]] = row[calm]
+            slot[calm] = (slot[calm] + 1) % _RECENT_STEPS
         return ceilings
 
     # ---------------------------------------------------------------- state
@@ -233,6 +226,8 @@ class HealthChecks:
         return {
             "layers": list(self.layers),
             "baseline": [None if np.isnan(b) else float(b) for b in self.baseline],
+            "recent": [[None if np.isnan(v) else float(v) for v in column] for column in self.recent.T],
+            "recent_slot": [int(i) for i in self.recent_slot],
             "steps_seen": self.steps_seen,
             "skipped_steps": self.skipped_steps,
         }
@@ -243,6 +238,14 @@ class HealthChecks:
             [np.nan if by_name.get(n) is None else by_name[n] for n in self.layers + [""]],
             dtype=float,
         )
+        recent = dict(zip(state["layers"] + [""], state.get("recent", [])))
+        slots = dict(zip(state["layers"] + [""], state.get("recent_slot", [])))
+        self.recent = np.full((_RECENT_STEPS, len(self.layers) + 1), np.nan)
+        self.recent_slot = np.zeros(len(self.layers) + 1, dtype=np.int64)
+        for j, name in enumerate(self.layers + [""]):
+            values = [np.nan if v is None else v for v in recent.get(name, [])][:_RECENT_STEPS]
+            self.recent[: len(values), j] = values
+            self.recent_slot[j] = int(slots.get(name, 0)) % _RECENT_STEPS
         self.steps_seen = int(state["steps_seen"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
 

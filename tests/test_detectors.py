@@ -313,3 +313,27 @@ def test_stop_on_raises_gradient_health_error_and_callbacks_get_alerts():
     assert [a.kind for a in info.value.alerts] == ["dead_units"]
     assert "dead_units" in {a.kind for a in received}
     monitor.close()
+
+
+def test_smooth_growth_early_in_training_is_not_exploding():
+    # Adam on one fixed batch: every layer's gradient norm grows ~1.2x per step for
+    # ~40 steps (100x in all) while the loss falls; healthy, not an explosion.
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(256, 256), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(256, 10))
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    norms = []
+    monitor = GradMonitor(model, flush_every=50)
+    alerts = _train(
+        model,
+        monitor,
+        150,
+        lambda: (x, y),
+        nn.functional.cross_entropy,
+        lr=1e-4,
+        before_step=lambda step: norms.append(model[0].weight.grad.norm().item()),
+    )
+    assert max(norms[20:60]) > 10 * min(norms[:20]), "the run did not show the growth this test is about"
+    assert _kinds(alerts, "exploding") == [], [a.message for a in alerts]
