@@ -130,6 +130,53 @@ class FusedFloor(Contender):
             self.pending.clear()
 
 
+class ReadOnceFloor(Contender):
+    """Reads each tensor gradwatch reads exactly once, with no bookkeeping: a lower bound.
+
+    Per layer (a module with parameters of its own): one ``sum`` of its output in
+    the forward pass and one ``dot`` of its output gradient in the backward pass;
+    per step, one ``torch._foreach_norm`` over the parameter gradients. Results stay
+    on the device and are dropped. Any monitor computing gradwatch's statistics
+    (output non-finite check, output-gradient norm, parameter-gradient norm) with
+    separate reductions pays at least this.
+    """
+
+    name = "read-once floor (no bookkeeping)"
+
+    def __init__(self, model, workload, device):
+        super().__init__(model, workload, device)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.results: list[torch.Tensor] = []
+        self.handles = [
+            m.register_forward_hook(self._forward_hook)
+            for m in model.modules()
+            if any(p.requires_grad for p in m.parameters(recurse=False))
+        ]
+
+    def _forward_hook(self, module, args, output):
+        out = output if isinstance(output, torch.Tensor) else next(
+            (t for t in output if isinstance(t, torch.Tensor)), None
+        )
+        if out is None:
+            return
+        self.results.append(out.detach().sum())
+        if out.requires_grad:
+            out.register_hook(self._grad_hook)
+
+    def _grad_hook(self, grad: torch.Tensor) -> None:
+        flat = grad.reshape(-1)
+        self.results.append(torch.dot(flat, flat))
+
+    def after_backward(self):
+        grads = [p.grad for p in self.params if p.grad is not None]
+        self.results.extend(torch._foreach_norm(grads, 2))
+        self.results.clear()
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
 def standard() -> list[type[Contender]]:
     return [
         Unmonitored,
@@ -140,4 +187,5 @@ def standard() -> list[type[Contender]]:
         LightningGradNorm,
         ItemHook,
         FusedFloor,
+        ReadOnceFloor,
     ]
