@@ -104,6 +104,70 @@ def test_nonfinite_counts_match(tmp_path):
     assert scalars["gradwatch/nonfinite/2"][1] == 0
 
 
+class _LargeAndSparse(nn.Module):
+    """Parameters on every reduction path: large float32 (one op each on the CPU),
+    small (foreach), a sparse gradient and a parameter that gets a gradient only
+    on some steps (both leave the planned grouping)."""
+
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 600, sparse=sparse)  # 38400 elements: large
+        self.big = nn.Linear(600, 256)  # 153600 + 256 elements
+        self.head = nn.Linear(256, 4)
+        self.extra = nn.Linear(256, 4)
+        self.use_extra = False
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.big(self.embed(idx)))
+        out = self.head(h)
+        return out + self.extra(h) if self.use_extra else out
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_large_sparse_and_intermittent_gradients_match_independent_computation(tmp_path, sparse):
+    # dense: steps 1 and 4 have every gradient (the planned grouping), the others not
+    model = _LargeAndSparse(sparse)
+    layers = {"embed": model.embed, "big": model.big, "head": model.head, "extra": model.extra}
+    monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    expected: dict[int, dict] = {}
+    for step in range(7):
+        model.use_extra = step % 3 == 1
+        model(torch.randint(0, 64, (16,))).pow(2).mean().backward()
+        if step == 4:  # non-finite values in a large gradient
+            with torch.no_grad():
+                model.big.weight.grad[3, :5] = float("nan")
+                model.big.weight.grad[7, 1] = float("-inf")
+        expected[step] = {}
+        for name, module in layers.items():
+            grads = [p.grad for p in module.parameters(recurse=False) if p.grad is not None]
+            if grads:
+                flat = torch.cat([(g.to_dense() if g.is_sparse else g).reshape(-1) for g in grads])
+                finite = flat[torch.isfinite(flat)]
+                expected[step][name] = {
+                    "grad_norm": float(torch.linalg.vector_norm(flat.double())),
+                    "grad_max": float(flat.abs().max()),
+                    "nonfinite": float((~torch.isfinite(flat)).sum()),
+                    "finite_norm": float(torch.linalg.vector_norm(finite.double())),
+                }
+        monitor.step()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    scalars = read_scalars(str(tmp_path))
+    for step, exp in expected.items():
+        for name, stats in exp.items():
+            if stats["nonfinite"]:
+                assert math.isnan(scalars[f"gradwatch/grad_norm/{name}"][step])
+                _check(scalars, f"gradwatch/nonfinite/{name}", step, stats["nonfinite"])
+                continue
+            for stat in ("grad_norm", "grad_max", "nonfinite"):
+                _check(scalars, f"gradwatch/{stat}/{name}", step, stats[stat])
+    assert expected[4]["big"]["nonfinite"] == 6
+    # "extra" had a gradient on steps 1 and 4 only (zero_grad sets it back to None)
+    assert sorted(scalars["gradwatch/grad_norm/extra"]) == [1, 4]
+
+
 def test_dead_fraction_written_once_per_window(tmp_path):
     lin = nn.Linear(8, 10)
     with torch.no_grad():
