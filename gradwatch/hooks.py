@@ -50,6 +50,9 @@ class HookSet:
 
 
 def _is_compiling() -> bool:
+    # Looked up at each call on purpose: with a module-level alias of
+    # torch.compiler.is_compiling, torch 2.13's compile ran the hook eagerly instead
+    # (test_torch_compile_runs_with_right_parameter_statistics caught it).
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and getattr(compiler, "is_compiling", lambda: False)())
 

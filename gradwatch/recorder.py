@@ -138,6 +138,8 @@ class Recorder:
         device = self.device
 
         def grad_hook(grad: torch.Tensor) -> None:
+            # Every op here runs once per layer call, right after a backward GEMM has
+            # evicted the interpreter's working set: keep it to the two reductions.
             try:
                 sumsq, per_unit = reduce(grad)
                 if sumsq.device != device:  # a model spread over several devices
@@ -146,7 +148,7 @@ class Recorder:
                 pending_sq.append(sumsq)
                 pending_units.append(per_unit)
                 pending_layer.append(index)
-                if len(pending_units) > limit:
+                if len(pending_layer) > limit:
                     self.fold()
             except Exception as exc:
                 self.hook_failed(layer.name, exc)
@@ -205,7 +207,8 @@ class Recorder:
         if scale is not None:
             # The per-unit vectors only answer "zero or not": the scale does not matter there.
             squares.div_(scale.to(squares.dtype).square())
-        self.buffer[UNIT_SUMSQ].index_add_(0, unit_idx, torch.cat(pending))
+        # abs: the projections of separate calls must not cancel each other out
+        self.buffer[UNIT_SUMSQ].index_add_(0, unit_idx, torch.cat(pending).abs_())
         self.buffer[OUT_SUMSQ][self.slot].index_add_(0, call_layer_idx, squares)
         pending.clear()
         self._pending_sq.clear()
@@ -310,19 +313,26 @@ def _output_grad_reducer(
         return general
 
     dot, mv = torch.dot, torch.mv
+    cached: list = [None, None]  # (row count, device) and the weights last used
 
     def last(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # (*, U): the sum of squares by one BLAS dot; the dead-unit test by one
         # matrix-vector product with fixed random positive weights: sum_m r_m g[m, u]
         # is 0 when the unit's gradient is 0 for every sample, and (but for an exact
-        # floating-point cancellation against random weights) not otherwise.
+        # floating-point cancellation against random weights) not otherwise. The
+        # caller takes the absolute value once for all calls (Recorder.fold).
         if not g.is_contiguous():
             return general(g)
-        rows = g.detach().reshape(-1, units)
-        if rows.dtype != f32:
-            rows = rows.to(f32)
-        flat = rows.view(-1)
-        return dot(flat, flat), mv(rows.t(), weights.get(rows.shape[0], rows.device)).abs_()
+        if g.dtype != f32:
+            g = g.to(f32)  # fp16 squares overflow; accumulate in fp32
+        elif g.requires_grad:  # only with backward(create_graph=True)
+            g = g.detach()
+        rows = g.view(-1, units)
+        key = (rows.shape[0], rows.device)
+        if key != cached[0]:
+            cached[0], cached[1] = key, weights.get(*key)
+        flat = g.view(-1)
+        return dot(flat, flat), mv(rows.t(), cached[1])
 
     return last
 

@@ -1,0 +1,130 @@
+"""Where gradwatch's step time goes: ablations and in-context per-call costs.
+
+    python benchmarks/breakdown.py                 # MLP 8x512
+    python benchmarks/breakdown.py --workload cnn  # or transformer
+
+Ablations are gradwatch monitors with one part switched off (by replacing a
+method on that monitor's own objects, so the other contenders are untouched),
+measured like overhead.py: interleaved, rotated, against an unmonitored copy.
+The floors are the least any monitor pays that reads the same tensors with
+separate reductions. "In-context cost" times single calls made inside the
+forward hooks of a real training step, where the GEMMs have just evicted
+Python's working set from the caches: these are the prices that count, and
+they are several times what the same call costs in a tight loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import contenders as C  # noqa: E402
+from benchmarks import workloads as W  # noqa: E402
+from benchmarks.harness import format_table, measure  # noqa: E402
+
+_GradWatch50 = C.gradwatch_contender(50)
+
+
+class WithoutParamStats(_GradWatch50):
+    name = "gradwatch w/o param-grad stats"
+
+    def __init__(self, model, workload, device):
+        super().__init__(model, workload, device)
+        stats = self.monitor._recorder.param_stats
+        stats.record = lambda *rows: np.zeros(stats.n_layers, dtype=np.int64)
+
+
+class WithoutOutputGradReductions(_GradWatch50):
+    """Tensor hooks are still registered and called; they reduce nothing."""
+
+    name = "gradwatch w/o out-grad reductions"
+
+    def __init__(self, model, workload, device):
+        super().__init__(model, workload, device)
+        recorder = self.monitor._recorder
+
+        def make_grad_hook(index, out):
+            def hook(grad):
+                return None
+
+            recorder._grad_hooks[(index, out.ndim)] = hook
+            return hook
+
+        recorder._make_grad_hook = make_grad_hook
+
+
+def in_context_costs(workload, steps: int = 120) -> dict[str, float]:
+    """Median microseconds of one call made in the forward hook of each parametrised leaf layer."""
+    torch.manual_seed(0)
+    model = workload.make_model()
+    x, y = workload.make_batch(torch.device("cpu"))
+    samples: dict[str, list[float]] = {"empty hook body": [], "out.register_hook": [], "out.sum()": []}
+    names = list(samples)
+    mode = [names[0]]
+
+    def noop(grad):
+        return None
+
+    def forward_hook(module, args, out):
+        if not isinstance(out, torch.Tensor):
+            return
+        t0 = time.perf_counter()
+        if mode[0] == "out.register_hook" and out.requires_grad:
+            out.register_hook(noop)
+        elif mode[0] == "out.sum()":
+            out.detach().sum()
+        samples[mode[0]].append(time.perf_counter() - t0)
+
+    handles = [
+        m.register_forward_hook(forward_hook)
+        for m in model.modules()
+        if any(True for _ in m.parameters(recurse=False)) and not any(True for _ in m.children())
+    ]
+    gc.disable()
+    try:
+        for step in range(steps):
+            mode[0] = names[step % len(names)]
+            loss = workload.loss(model(x), y)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+    finally:
+        gc.enable()
+        for h in handles:
+            h.remove()
+    return {k: statistics.median(v[len(v) // 5 :]) * 1e6 for k, v in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=["mlp", "cnn", "transformer"], default="mlp")
+    parser.add_argument("--rounds", type=int, default=200)
+    args = parser.parse_args()
+    logging.getLogger("gradwatch").setLevel(logging.ERROR)
+    workload = {"mlp": W.mlp, "cnn": W.resnet, "transformer": W.transformer}[args.workload]()
+    print(f"# gradwatch cost breakdown  torch {torch.__version__}, {torch.get_num_threads()} threads")
+    results = measure(
+        workload,
+        [C.Unmonitored, C.UnmonitoredControl, _GradWatch50, WithoutParamStats, WithoutOutputGradReductions,
+         C.ReadOnceFloor, C.FusedFloor],
+        args.rounds,
+        10,
+        torch.device("cpu"),
+    )  # fmt: skip
+    print(format_table(workload.name, results))
+    print("\nin-context cost of one call in a forward hook (median us):")
+    for name, us in in_context_costs(workload).items():
+        print(f"  {name:20s} {us:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
