@@ -63,6 +63,7 @@ class GradMonitor:
         self._layer_specs = discover_layers(model, include, exclude)
         self._names = [layer.name for layer in self._layer_specs]
         device = self._layer_specs[0].params[0].device
+        _check_window_size(flush_every, len(self._layer_specs))
 
         self.sync_dist = _dist_world_size() > 1
         is_writer = _dist_rank() == 0  # only rank 0 writes
@@ -270,3 +271,20 @@ def _dist_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+# Per step and layer: five float32 device statistics and two int64 host counters.
+_BYTES_PER_STEP_AND_LAYER = 5 * 4 + 2 * 8
+_MAX_WINDOW_BYTES = 1 << 30
+
+
+def _check_window_size(flush_every: int, layers: int) -> None:
+    """A window is kept per step until it is flushed: refuse one that cannot fit."""
+    size = flush_every * layers * _BYTES_PER_STEP_AND_LAYER
+    if size > _MAX_WINDOW_BYTES:
+        raise ValueError(
+            f"flush_every={flush_every} with {layers} monitored layers would keep {size / (1 << 30):.1f} GiB "
+            f"of per-step statistics between flushes (limit 1 GiB); use a smaller flush_every "
+            f"(statistics are buffered per step and written at each flush)"
+        )
+

@@ -144,6 +144,8 @@ def test_bad_input_errors_name_the_problem():
         GradMonitor(nn.Linear(2, 2), flush_every=0)
     with pytest.raises(ValueError, match="flush_every"):
         GradMonitor(nn.Linear(2, 2), flush_every=2.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="flush_every=1000000000 with 1 monitored layers .* smaller flush_every"):
+        GradMonitor(nn.Linear(2, 2), flush_every=10**9)  # would be 36 GB of buffer, not an allocator error
     with pytest.raises(ValueError, match=r"nope\*"):
         GradMonitor(nn.Sequential(nn.Linear(2, 2)), include=["0", "nope*"])
     with pytest.raises(ValueError, match="gone"):
