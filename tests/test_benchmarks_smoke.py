@@ -1,0 +1,60 @@
+"""The benchmark code still runs and its contenders do what their names say (no timing here)."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks import breakdown as B
+from benchmarks import contenders as C
+from benchmarks import workloads as W
+from benchmarks.harness import format_table, host_syncs_between_flushes, measure
+
+_TINY = W.mlp(depth=2, width=16, batch=8)
+_CPU = torch.device("cpu")
+
+
+def test_every_contender_steps_and_is_reported():
+    kinds = C.standard() + [B.WithoutParamStats, B.WithoutOutputGradReductions]
+    results = measure(_TINY, kinds, rounds=2, warmup=1, device=_CPU)
+    assert [r.name for r in results] == [k.name for k in kinds]
+    assert all(len(r.times) == 2 and min(r.times) > 0 for r in results)
+    table = format_table(_TINY.name, results)
+    assert all(r.name in table for r in results)
+
+
+def _stepped(kind):
+    torch.manual_seed(0)
+    contender = kind(_TINY.make_model(), _TINY, _CPU)
+    contender.step()
+    return contender
+
+
+def test_ablations_switch_off_what_they_name_and_nothing_else():
+    full = _stepped(C.gradwatch_contender(50))
+    no_params = _stepped(B.WithoutParamStats)
+    no_out = _stepped(B.WithoutOutputGradReductions)
+    rec = {name: c.monitor._recorder for name, c in [("full", full), ("params", no_params), ("out", no_out)]}
+    assert rec["full"].param_present[0].all() and rec["full"].out_calls[0].all()
+    assert not rec["params"].param_present[0].any() and rec["params"].out_calls[0].all()
+    assert rec["out"].param_present[0].all() and not rec["out"].out_calls[0].any()
+    for c in (full, no_params, no_out):
+        c.close()
+
+
+def test_read_once_floor_hooks_every_parametrised_layer_and_cleans_up():
+    floor = _stepped(C.ReadOnceFloor)
+    parametrised = [m for m in floor.model.modules() if any(True for _ in m.parameters(recurse=False))]
+    assert len(floor.handles) == len(parametrised) == 3
+    floor.close()
+    assert all(not m._forward_hooks for m in floor.model.modules())
+
+
+def test_benchmark_no_sync_check_counts_the_same_as_an_unmonitored_loop():
+    plain, watched = host_syncs_between_flushes(_TINY, _CPU, steps=3)
+    assert plain == watched
+
+
+def test_in_context_costs_reports_each_call():
+    costs = B.in_context_costs(_TINY, steps=6)
+    assert set(costs) == {"empty hook body", "out.register_hook", "out.sum()"}
+    assert all(v > 0 for v in costs.values())
