@@ -72,17 +72,42 @@ def gradwatch_contender(flush_every: int) -> type[Contender]:
 
 
 class LightningGradNorm(Contender):
-    """Lightning's ``grad_norm`` utility, its tensors converted to floats every step."""
+    """Lightning's ``grad_norm`` utility, converted to floats and logged every step.
 
-    name = "lightning grad_norm"
+    "Logged" the way Lightning's ``TensorBoardLogger.log_metrics`` does it: one
+    ``add_scalar`` per value on a ``SummaryWriter`` (here with ``log_every_n_steps=1``).
+    """
+
+    name = "lightning grad_norm, logged"
 
     def __init__(self, model, workload, device):
         super().__init__(model, workload, device)
-        try:
-            from lightning.pytorch.utilities import grad_norm
-        except ImportError:
-            from pytorch_lightning.utilities import grad_norm  # type: ignore[no-redef]
-        self.grad_norm: Callable = grad_norm
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.grad_norm: Callable = _lightning_grad_norm()
+        self.logdir = tempfile.mkdtemp(prefix="gradnorm-bench-")
+        self.writer = SummaryWriter(self.logdir)
+        self.steps = 0
+
+    def after_backward(self):
+        norms = self.grad_norm(self.model, norm_type=2)
+        for key, value in norms.items():
+            self.writer.add_scalar(key, float(value), self.steps)
+        self.steps += 1
+
+    def close(self):
+        self.writer.close()
+        shutil.rmtree(self.logdir, ignore_errors=True)
+
+
+class LightningGradNormFloats(Contender):
+    """Lightning's ``grad_norm``, converted to floats every step and kept in a list (no logger)."""
+
+    name = "lightning grad_norm, floats"
+
+    def __init__(self, model, workload, device):
+        super().__init__(model, workload, device)
+        self.grad_norm: Callable = _lightning_grad_norm()
         self.log: list[dict[str, float]] = []
 
     def after_backward(self):
@@ -90,6 +115,14 @@ class LightningGradNorm(Contender):
         self.log.append({k: float(v) for k, v in norms.items()})
         if len(self.log) > 1000:
             self.log.clear()
+
+
+def _lightning_grad_norm() -> Callable:
+    try:
+        from lightning.pytorch.utilities import grad_norm
+    except ImportError:
+        from pytorch_lightning.utilities import grad_norm  # type: ignore[no-redef]
+    return grad_norm
 
 
 class ItemHook(Contender):
@@ -185,6 +218,7 @@ def standard() -> list[type[Contender]]:
         gradwatch_contender(10),
         gradwatch_contender(50),
         LightningGradNorm,
+        LightningGradNormFloats,
         ItemHook,
         FusedFloor,
         ReadOnceFloor,
