@@ -230,3 +230,69 @@ def test_no_histograms_by_default(demo_runs):
     acc = EventAccumulator(path, size_guidance={"histograms": 0})
     acc.Reload()
     assert acc.Tags()["histograms"] == []
+
+
+def _window(layers, steps, seed):
+    import numpy as np
+
+    from gradwatch.window import Window
+
+    rng = np.random.default_rng(seed)
+    shape = (steps, len(layers))
+    zeros = np.zeros(shape)
+    norms = 10.0 ** rng.uniform(-4, -2, shape)
+    norms[0, 0] = 0.0  # a zero gradient: drawn grey
+    return Window(
+        list(range(steps)), list(layers), norms, zeros, zeros, zeros, zeros.astype(bool),
+        np.ones(shape, bool), np.ones(shape, bool), np.ones(len(layers)), np.full(len(layers), 100.0),
+        np.zeros(len(layers)), np.ones(steps),
+    )  # fmt: skip
+
+
+def test_heatmap_redraws_only_pixels_and_matches_a_full_draw():
+    pytest.importorskip("matplotlib")
+    import numpy as np
+
+    from gradwatch.sinks.heatmap import GradientFlowHeatmap, log_rms
+
+    layers = ["embed", "block.0", "block.1", "head"]
+    first, second = _window(layers, 12, 0), _window(layers, 12, 1)
+    reused = GradientFlowHeatmap()
+    image_first = reused.render(first)
+    image_second = reused.render(second)  # same layers, length and colour range: pixels only
+    assert reused.full_draws == 1
+    assert image_first.shape == image_second.shape and image_first.dtype == np.uint8
+    assert not np.array_equal(image_first, image_second)
+
+    reference = GradientFlowHeatmap()
+    reference.render(first)  # the same colour range as `reused`
+    reference._draw_figure(second, log_rms(second))  # a whole new figure for the second window
+    full = np.asarray(reference._figure.canvas.buffer_rgba())[:, :, :3]
+    assert np.array_equal(image_second, full)
+
+    louder = _window(layers, 12, 2)
+    louder.grad_norm[3, 2] = 1e6  # far outside the colour range: a new layout
+    reused.render(louder)
+    assert reused.full_draws == 2
+    reused.render(_window(layers[:3], 12, 3))  # other layers: a new layout
+    assert reused.full_draws == 3
+
+
+def test_heatmap_written_at_every_flush(tmp_path):
+    pytest.importorskip("matplotlib")
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import IMAGES, EventAccumulator
+
+    from gradwatch import GradMonitor
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    with GradMonitor(model, logdir=str(tmp_path), flush_every=2) as monitor:
+        for _ in range(7):  # three full windows and a partial one, flushed by close()
+            model(torch.randn(2, 3)).sum().backward()
+            monitor.step()
+            model.zero_grad()
+    events = EventAccumulator(str(tmp_path), size_guidance={IMAGES: 0})
+    events.Reload()
+    images = events.Images("gradwatch/gradient_flow")
+    assert [image.step for image in images] == [1, 3, 5, 6]
+    assert all(image.encoded_image_string.startswith(b"\x89PNG") for image in images)

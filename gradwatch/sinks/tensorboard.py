@@ -15,6 +15,7 @@ import numpy as np
 
 from ..alerts import Alert
 from ..window import Window
+from .heatmap import GradientFlowHeatmap
 
 log = logging.getLogger("gradwatch")
 
@@ -41,9 +42,9 @@ def custom_scalars_layout() -> dict[str, Any]:
 class TensorBoardSink:
     """Writes windows, alerts and the dashboard layout to a ``SummaryWriter``."""
 
-    #: Rendering the heatmap costs ~150 ms of CPU; render at most once per this many
-    #: seconds of wall time (counted from the start), and always for the last window.
-    heatmap_interval_s: float = 60.0
+    #: Minimum seconds of wall time between two heatmaps (0: at every flush). The last
+    #: window is always drawn, at close().
+    heatmap_interval_s: float = 0.0
 
     def __init__(self, writer: Any, owns_writer: bool, heatmap: bool = True) -> None:
         self.writer = writer
@@ -52,6 +53,7 @@ class TensorBoardSink:
         self.heatmap = heatmap
         self._last_heatmap = time.monotonic()
         self._undrawn: Window | None = None  # the newest window not drawn yet
+        self._heatmap: GradientFlowHeatmap | None = None
 
     def write(self, w: Window, alerts: list[Alert], total_alerts: int, final: bool = False) -> None:
         """Write one window's scalars at the steps they describe, then its alerts."""
@@ -114,10 +116,10 @@ class TensorBoardSink:
         get_file_writer().add_summary(summary, step)
 
     def _add_heatmap(self, w: Window) -> None:
-        from .heatmap import gradient_flow_image
-
+        if self._heatmap is None:
+            self._heatmap = GradientFlowHeatmap()
         try:
-            image = gradient_flow_image(w)
+            image = self._heatmap.render(w)
         except ImportError:
             log.info("gradwatch: install matplotlib (pip install gradwatch[plot]) for the gradient-flow heatmap")
             self.heatmap = False
