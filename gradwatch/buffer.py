@@ -40,6 +40,7 @@ class StatBuffer:
         self._states: dict[str, _State] = {}
         self._storage = torch.zeros(0, dtype=torch.float32, device=device)
         self._views: dict[str, torch.Tensor] = {}
+        self._rows: dict[str, list[torch.Tensor]] = {}
 
     def add_state(self, name: str, shape: tuple[int, ...], reduce: Reduce) -> None:
         """Declare or resize a state; every value already held is kept.
@@ -70,9 +71,17 @@ class StatBuffer:
             s.name: self._storage[s.offset : s.offset + s.numel].view(s.shape)
             for s in self._states.values()
         }
+        self._rows = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._views[name]
+
+    def row(self, name: str, index: int) -> torch.Tensor:
+        """Row ``index`` of a state, as a view made once per layout (indexing is an op per call)."""
+        rows = self._rows.get(name)
+        if rows is None:
+            rows = self._rows[name] = list(self._views[name].unbind(0))
+        return rows[index]
 
     @property
     def nbytes(self) -> int:

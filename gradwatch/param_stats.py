@@ -115,6 +115,7 @@ class ParamStats:
         self._cpu_lo = torch.zeros(len(self.params), dtype=torch.float32)
         self._cpu_hi = torch.zeros(len(self.params), dtype=torch.float32)
         self._slots = list(zip(self._cpu_sq.unbind(), self._cpu_lo.unbind(), self._cpu_hi.unbind()))
+        self._heads: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # The grouping of a step where every parameter has a dense gradient.
         plan: dict[_GroupKey, list[int]] = defaultdict(list)
         self._plan_present = np.zeros(self.n_layers, dtype=np.int64)
@@ -165,14 +166,17 @@ class ParamStats:
                 if large and dtype == torch.float32:
                     sq, mx = self._cpu_large_float32(grads)
                 else:
-                    sq = torch.stack([s.to(torch.float32) for s in _sq_norms(grads)], out=self._cpu_sq[:k])
-                    mx = _abs_max(grads).to(torch.float32)
+                    sq = torch.stack(_sq_norms(grads), out=self._head(k)[0])  # float32 already
+                    mx = _abs_max(grads)
+                    if mx.dtype != torch.float32:
+                        mx = mx.to(torch.float32)
                 bad = np.flatnonzero(~np.isfinite(self._cpu_sq_view[:k]))
                 if len(bad):
                     counts = torch.zeros(k, dtype=torch.float32)
                     counts[bad] = _nonfinite_counts([grads[b] for b in bad])
                     nonfinite_row.index_add_(0, index, counts.to(device))
-                sq, mx = sq.to(device), mx.to(device)
+                if device.type != "cpu":  # CPU gradients, buffer elsewhere (a split model)
+                    sq, mx = sq.to(device), mx.to(device)
             else:
                 sq = torch.stack(_sq_norms(grads)).to(device=device, dtype=torch.float32)
                 nf = _nonfinite_counts(grads).to(device=device, dtype=torch.float32)
@@ -194,8 +198,15 @@ class ParamStats:
             flat = g.reshape(-1)
             torch.aminmax(flat, out=(lo, hi))
             torch.dot(flat, flat, out=sq)
-        k = len(grads)
-        return self._cpu_sq[:k], torch.maximum(self._cpu_hi[:k], self._cpu_lo[:k].neg())
+        sq, lo, hi = self._head(len(grads))
+        return sq, torch.maximum(hi, lo.neg())
+
+    def _head(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first ``k`` slots of the sums of squares, minima and maxima."""
+        heads = self._heads.get(k)
+        if heads is None:  # slicing is an op per call; the group sizes repeat
+            heads = self._heads[k] = (self._cpu_sq[:k], self._cpu_lo[:k], self._cpu_hi[:k])
+        return heads
 
 
 def _group_key(tensor: torch.Tensor) -> _GroupKey:

@@ -182,7 +182,7 @@ class Recorder:
             index = self._call_layers.get(tuple(self._fwd_layer))
             # 0 * sum is 0 for finite sums and NaN otherwise: the row becomes NaN
             # exactly where some call of the layer produced a non-finite output.
-            self.buffer[FWD_NONFINITE][self.slot].index_add_(0, index, torch.stack(self._fwd_sums).mul_(0.0))
+            self.buffer.row(FWD_NONFINITE, self.slot).index_add_(0, index, torch.stack(self._fwd_sums).mul_(0.0))
             self._fwd_sums.clear()
             self._fwd_layer.clear()
         if not self._pending:
@@ -209,7 +209,7 @@ class Recorder:
             squares.div_(scale.to(squares.dtype).square())
         # abs: the projections of separate calls must not cancel each other out
         self.buffer[UNIT_SUMSQ].index_add_(0, unit_idx, torch.cat(pending).abs_())
-        self.buffer[OUT_SUMSQ][self.slot].index_add_(0, call_layer_idx, squares)
+        self.buffer.row(OUT_SUMSQ, self.slot).index_add_(0, call_layer_idx, squares)
         pending.clear()
         self._pending_sq.clear()
         layers_of.clear()
@@ -230,19 +230,16 @@ class Recorder:
         """
         self.fold()
         row = self.slot
-        present = self.param_stats.record(
-            self.buffer[PARAM_SUMSQ][row],
-            self.buffer[PARAM_MAX][row],
-            self.buffer[PARAM_NONFINITE][row],
-        )
+        sumsq_row, max_row = self.buffer.row(PARAM_SUMSQ, row), self.buffer.row(PARAM_MAX, row)
+        present = self.param_stats.record(sumsq_row, max_row, self.buffer.row(PARAM_NONFINITE, row))
         scale = self._scale_source() if params_scaled else None
         if scale is not None:
             scale = scale.to(torch.float32)
-            self.buffer[PARAM_SUMSQ][row].div_(scale.square())
-            self.buffer[PARAM_MAX][row].div_(scale)
+            sumsq_row.div_(scale.square())
+            max_row.div_(scale)
         self.param_present[row] = present
-        fwd = self.buffer[FWD_NONFINITE][row]
-        fwd.copy_(fwd.isnan())
+        # The forward row holds 0 where every output was finite and NaN elsewhere: read
+        # as such on the host at flush (window.build_window), no per-step op here.
         self.step_orders.append((_first_seen(self.forward_order), self.backward_order))
         self.forward_order = []
         self.backward_order = []
