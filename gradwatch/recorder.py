@@ -310,7 +310,7 @@ def _output_grad_reducer(
         return general
 
     dot, mv = torch.dot, torch.mv
-    cached: list = [None, None]  # (row count, device) and the weights last used
+    cached: list = [None, None]  # the row count and the weights last used (a layer keeps its device)
 
     def last(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # (*, U): the sum of squares by one BLAS dot; the dead-unit test by one
@@ -324,10 +324,10 @@ def _output_grad_reducer(
             g = g.to(f32)  # fp16 squares overflow; accumulate in fp32
         elif g.requires_grad:  # only with backward(create_graph=True)
             g = g.detach()
-        rows = g.view(-1, units)
-        key = (rows.shape[0], rows.device)
-        if key != cached[0]:
-            cached[0], cached[1] = key, weights.get(*key)
+        rows = g if ndim == 2 else g.view(-1, units)  # (batch, units): no view op needed
+        n = rows.shape[0]
+        if n != cached[0]:
+            cached[0], cached[1] = n, weights.get(n, rows.device)
         flat = g.view(-1)
         return dot(flat, flat), mv(rows.t(), cached[1])
 
