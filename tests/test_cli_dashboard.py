@@ -278,8 +278,7 @@ def test_heatmap_redraws_only_pixels_and_matches_a_full_draw():
     assert reused.full_draws == 3
 
 
-def test_heatmap_written_at_every_flush(tmp_path):
-    pytest.importorskip("matplotlib")
+def _heatmap_steps(tmp_path, budget, steps=7):
     import torch
     from tensorboard.backend.event_processing.event_accumulator import IMAGES, EventAccumulator
 
@@ -287,12 +286,27 @@ def test_heatmap_written_at_every_flush(tmp_path):
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
     with GradMonitor(model, logdir=str(tmp_path), flush_every=2) as monitor:
-        for _ in range(7):  # three full windows and a partial one, flushed by close()
+        if budget is not None:
+            monitor._sink.heatmap_budget = budget
+        for _ in range(steps):  # full windows of 2 steps, the last one partial, flushed by close()
             model(torch.randn(2, 3)).sum().backward()
             monitor.step()
             model.zero_grad()
     events = EventAccumulator(str(tmp_path), size_guidance={IMAGES: 0})
     events.Reload()
     images = events.Images("gradwatch/gradient_flow")
-    assert [image.step for image in images] == [1, 3, 5, 6]
     assert all(image.encoded_image_string.startswith(b"\x89PNG") for image in images)
+    return [image.step for image in images]
+
+
+def test_heatmap_written_at_every_flush_within_its_budget(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert _heatmap_steps(tmp_path, budget=float("inf")) == [1, 3, 5, 6]
+
+
+def test_heatmap_of_tiny_steps_is_spaced_out_by_its_cost_but_first_and_last_drawn(tmp_path):
+    pytest.importorskip("matplotlib")
+    # Steps of microseconds: a ~10 ms drawing at every flush would dwarf training.
+    steps = _heatmap_steps(tmp_path, budget=None, steps=41)
+    assert steps[0] == 1 and steps[-1] == 40
+    assert len(steps) < 10  # of 21 windows

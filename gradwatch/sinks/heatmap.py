@@ -53,8 +53,12 @@ class GradientFlowHeatmap:
         low, high = (float(finite.min()), float(finite.max())) if finite.size else (-1.0, 0.0)
         key = (tuple(w.layers), len(w.steps))
         if key != self._key or low < self._range[0] or high > self._range[1]:
-            # One decade of margin each side, so that a drifting run rarely needs a new layout.
-            self._range = (math.floor(low) - 1.0, math.ceil(high) + 1.0)
+            # One decade of margin each side, so that a drifting run rarely needs a new
+            # layout; a range only grows, so that a run moving back and forth settles.
+            low, high = math.floor(low) - 1.0, math.ceil(high) + 1.0
+            if self._key is not None:
+                low, high = min(low, self._range[0]), max(high, self._range[1])
+            self._range = (low, high)
             self._key = key
             self._draw_figure(w, values)
         else:

@@ -42,9 +42,11 @@ def custom_scalars_layout() -> dict[str, Any]:
 class TensorBoardSink:
     """Writes windows, alerts and the dashboard layout to a ``SummaryWriter``."""
 
-    #: Minimum seconds of wall time between two heatmaps (0: at every flush). The last
-    #: window is always drawn, at close().
-    heatmap_interval_s: float = 0.0
+    #: The heatmap is drawn at a flush when its last drawing took at most this fraction
+    #: of the wall time since the previous image: at every flush of a typical run (a
+    #: redraw is ~10 ms; 50 steps take seconds), less often when steps are tiny or
+    #: flush_every is 1. The first window and the last one (at close()) are always drawn.
+    heatmap_budget: float = 0.01
 
     def __init__(self, writer: Any, owns_writer: bool, heatmap: bool = True) -> None:
         self.writer = writer
@@ -52,6 +54,7 @@ class TensorBoardSink:
         self.layout_written = False
         self.heatmap = heatmap
         self._last_heatmap = time.monotonic()
+        self._heatmap_cost: float | None = None  # seconds the last drawing took; None: draw now
         self._undrawn: Window | None = None  # the newest window not drawn yet
         self._heatmap: GradientFlowHeatmap | None = None
 
@@ -87,9 +90,14 @@ class TensorBoardSink:
         for alert in alerts:
             self.writer.add_text(ALERTS_TAG, alert.message, alert.step)
         now = time.monotonic()
-        if self.heatmap and (final or now - self._last_heatmap >= self.heatmap_interval_s):
-            self._last_heatmap = now
+        cost = self._heatmap_cost
+        if self.heatmap and (final or cost is None or cost <= self.heatmap_budget * (now - self._last_heatmap)):
+            first = self._heatmap is None
             self._add_heatmap(w)
+            self._last_heatmap = time.monotonic()
+            # The first drawing also imports matplotlib and lays the figure out: not a
+            # measure of what the next one costs.
+            self._heatmap_cost = None if first else self._last_heatmap - now
             self._undrawn = None
         else:
             self._undrawn = w
