@@ -99,13 +99,28 @@ def host_syncs_between_flushes(workload, device: torch.device, steps: int = 8) -
     return counts[0], counts[1]
 
 
+def paired_ratio(result: Result, base: Result, resamples: int = 2000) -> tuple[float, float, float]:
+    """Median over rounds of (this step / the unmonitored step of the same round), with a
+    bootstrap 95% interval. Pairing within a round cancels the machine's slow drift."""
+    import numpy as np
+
+    ratios = np.asarray(result.times) / np.asarray(base.times)
+    rng = np.random.default_rng(0)
+    medians = np.median(rng.choice(ratios, size=(resamples, ratios.size)), axis=1)
+    low, high = np.percentile(medians, [2.5, 97.5])
+    return float(np.median(ratios)), float(low), float(high)
+
+
 def format_table(workload_name: str, results: list[Result]) -> str:
     base = results[0]
     lines = [f"\n## {workload_name}  (median unmonitored step {base.median * 1e3:.2f} ms, {len(base.times)} rounds)"]
-    lines.append(f"{'contender':30s} {'median ms':>10s} {'ratio':>7s} {'mean ratio':>11s} {'buffer':>10s}")
+    lines.append(f"{'contender':34s} {'median ms':>10s} {'ratio':>7s} {'paired [95% CI]':>22s} "
+                 f"{'mean ratio':>11s} {'buffer':>10s}")  # fmt: skip
     for r in results:
         buf = "-" if r.buffer_bytes is None else _bytes(r.buffer_bytes)
-        lines.append(f"{r.name:30s} {r.median * 1e3:10.2f} {r.median / base.median:7.3f} "
+        paired, low, high = paired_ratio(r, base)
+        interval = f"{paired:.3f} [{low:.3f}, {high:.3f}]"
+        lines.append(f"{r.name:34s} {r.median * 1e3:10.2f} {r.median / base.median:7.3f} {interval:>22s} "
                      f"{r.mean / base.mean:11.3f} {buf:>10s}")  # fmt: skip
     return "\n".join(lines)
 

@@ -6,8 +6,10 @@
 Every figure is a ratio to an unmonitored copy of the same model measured in the
 same process, contenders interleaved step by step with the order rotated every
 round; "none (A/A)" is a second unmonitored copy: its ratio is the noise floor.
-"ratio" compares medians (a typical non-flush step); "mean ratio" compares means,
-so it includes the cost of flushes amortised over the run.
+"ratio" compares medians (a typical non-flush step); "paired" is the median over
+rounds of each step's time over the unmonitored step of the same round, with a
+bootstrap 95% interval (pairing cancels the machine's slow drift); "mean ratio"
+compares means, so it includes the cost of flushes amortised over the run.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import contenders as C  # noqa: E402
 from benchmarks import workloads as W  # noqa: E402
-from benchmarks.harness import format_table, host_syncs_between_flushes, measure  # noqa: E402
+from benchmarks.harness import format_table, host_syncs_between_flushes, measure, paired_ratio  # noqa: E402
 
 
 def main() -> None:
@@ -51,6 +53,7 @@ def main() -> None:
         print(f"host syncs in 8 non-flush steps: unmonitored {plain}, gradwatch {watched}")
         report["workloads"][workload.name] = {
             r.name: {"median_ms": r.median * 1e3, "ratio": r.median / results[0].median,
+                     "paired_ratio": paired_ratio(r, results[0]),
                      "mean_ratio": r.mean / results[0].mean, "buffer_bytes": r.buffer_bytes}
             for r in results
         }  # fmt: skip

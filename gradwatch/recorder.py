@@ -180,9 +180,10 @@ class Recorder:
         """Reduce the queued forward sums and output-gradient partials into the current step's row."""
         if self._fwd_sums:
             index = self._call_layers.get(tuple(self._fwd_layer))
-            # 0 * sum is 0 for finite sums and NaN otherwise: the row becomes NaN
-            # exactly where some call of the layer produced a non-finite output.
-            self.buffer.row(FWD_NONFINITE, self.slot).index_add_(0, index, torch.stack(self._fwd_sums).mul_(0.0))
+            # The row accumulates the sums of the outputs: it is non-finite exactly where
+            # some call of the layer produced a NaN/Inf (or sums beyond float32, as alarming);
+            # read as such on the host at flush.
+            self.buffer.row(FWD_NONFINITE, self.slot).index_add_(0, index, torch.stack(self._fwd_sums))
             self._fwd_sums.clear()
             self._fwd_layer.clear()
         if not self._pending:
@@ -238,8 +239,8 @@ class Recorder:
             sumsq_row.div_(scale.square())
             max_row.div_(scale)
         self.param_present[row] = present
-        # The forward row holds 0 where every output was finite and NaN elsewhere: read
-        # as such on the host at flush (window.build_window), no per-step op here.
+        # The forward row is read as "non-finite or not" on the host at flush
+        # (window.build_window): no per-step op here.
         self.step_orders.append((_first_seen(self.forward_order), self.backward_order))
         self.forward_order = []
         self.backward_order = []

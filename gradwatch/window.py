@@ -66,7 +66,7 @@ def build_window(
         )
         global_norm = np.sqrt(np.where(has_grad, sumsq, 0.0).sum(axis=1))
         global_norm = np.where(has_grad.any(axis=1), global_norm, np.nan)
-    fwd_nonfinite = np.isnan(host[R.FWD_NONFINITE][:n])  # 0 * sum(output): NaN iff non-finite
+    fwd_nonfinite = ~np.isfinite(host[R.FWD_NONFINITE][:n])  # sums of the outputs
 
     units = host[R.UNIT_SUMSQ]
     dead = np.full(len(layers), np.nan)
