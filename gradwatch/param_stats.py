@@ -137,7 +137,8 @@ class ParamStats:
         if not self.sharded and self._plan and all(g is not None and not g.is_sparse for g in grads):
             # Every parameter has a dense gradient (the usual case): dense gradients have
             # their parameter's device, dtype and size, so the grouping is known in advance.
-            return {key: ([grads[j] for j in owners], owners) for key, owners in self._plan}, self._plan_present
+            planned = {key: ([grads[j] for j in owners], owners) for key, owners in self._plan}
+            return planned, self._plan_present
         present = np.zeros(self.n_layers, dtype=np.int64)
         groups: dict[_GroupKey, _Group] = defaultdict(lambda: ([], []))
         for j, g in enumerate(grads):
@@ -155,7 +156,9 @@ class ParamStats:
             present[self.param_layer[j]] += 1
         return groups, present
 
-    def _record(self, sumsq_row: torch.Tensor, max_row: torch.Tensor, nonfinite_row: torch.Tensor) -> np.ndarray:
+    def _record(
+        self, sumsq_row: torch.Tensor, max_row: torch.Tensor, nonfinite_row: torch.Tensor
+    ) -> np.ndarray:
         groups, present = self._groups([p.grad for p in self.params])
         device = sumsq_row.device
         for (grad_device, dtype, large), (grads, owners) in groups.items():
@@ -185,7 +188,6 @@ class ParamStats:
             sumsq_row.index_add_(0, index, sq)
             max_row.scatter_reduce_(0, index, mx, "amax", include_self=True)
         return present
-
 
     def _cpu_large_float32(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(sums of squares, max |g|) of large float32 CPU gradients: one BLAS dot and one aminmax each.

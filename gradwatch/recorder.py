@@ -321,10 +321,10 @@ def _output_grad_reducer(
         # caller takes the absolute value once for all calls (Recorder.fold).
         if not g.is_contiguous():
             return general(g)
+        if g.requires_grad:  # only with backward(create_graph=True)
+            g = g.detach()
         if g.dtype != f32:
             g = g.to(f32)  # fp16 squares overflow; accumulate in fp32
-        elif g.requires_grad:  # only with backward(create_graph=True)
-            g = g.detach()
         rows = g if ndim == 2 else g.view(-1, units)  # (batch, units): no view op needed
         n = rows.shape[0]
         if n != cached[0]:
