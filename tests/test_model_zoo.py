@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import statistics
-import time
 from collections import namedtuple
 
 import pytest
@@ -330,33 +328,28 @@ def test_unused_parameters_in_some_steps():
 
 
 # ----------------------------------------------------------- attach / close
-def test_hundred_attach_close_cycles_leave_nothing_and_backward_stays_flat():
+def test_hundred_attach_close_cycles_leave_nothing_behind():
+    # Structural, not timed (speed is measured in benchmarks/): after 100 cycles no hook is
+    # left anywhere, and a closed monitor's recorder receives nothing from later steps.
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
     x = torch.randn(32, 64)
-
-    def backward_time() -> float:
-        times = []
-        for _ in range(30):
-            loss = model(x).sum()
-            t0 = time.perf_counter()
-            loss.backward()
-            times.append(time.perf_counter() - t0)
-            model.zero_grad()
-        return statistics.median(times)
-
-    before = backward_time()
+    recorders = []
     for _ in range(100):
         with GradMonitor(model, flush_every=2) as monitor:
             model(x).sum().backward()
             monitor.step()
             model.zero_grad()
-    after = backward_time()
+        recorders.append(monitor._recorder)
     for m in model.modules():
         assert not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks
     for p in model.parameters():
         assert not p._backward_hooks
-    assert after < before * 1.5 + 50e-6
+    out = model(x)
+    assert out._backward_hooks is None  # no tensor hook registered on the output
+    out.sum().backward()
+    for recorder in (recorders[0], recorders[-1]):
+        assert not recorder._fwd_sums and not recorder._pending and not recorder.out_calls.any()
 
 
 # ------------------------------------------------------------------- FSDP2
