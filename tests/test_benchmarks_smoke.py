@@ -15,7 +15,9 @@ _CPU = torch.device("cpu")
 
 def test_every_contender_steps_and_is_reported():
     kinds = C.standard() + [B.WithoutParamStats, B.WithoutOutputGradReductions]
-    results = measure(_TINY, kinds, rounds=2, warmup=1, device=_CPU)
+    synced = []  # gpu_check.py passes torch.cuda.synchronize here
+    results = measure(_TINY, kinds, rounds=2, warmup=1, device=_CPU, sync=lambda: synced.append(1))
+    assert len(synced) == 2 * 2 * len(kinds)  # before and after every timed step
     assert [r.name for r in results] == [k.name for k in kinds]
     assert all(len(r.times) == 2 and min(r.times) > 0 for r in results)
     table = format_table(_TINY.name, results)
