@@ -98,9 +98,7 @@ class HealthChecks:
         names = self.layers + [""]
 
         ceiling = self._causal_ceilings(table)
-        with np.errstate(invalid="ignore"):
-            over_rel = table > ceiling
-            over_abs = table > cfg.exploding_abs_norm
+        over_rel, over_abs = self._exceeds(table, ceiling)
         over = over_rel | over_abs
         findings = []
         for j in np.flatnonzero(over.any(axis=0)):
@@ -215,11 +213,16 @@ class HealthChecks:
                 known = reference > 0
                 ceilings[t, known] = cfg.exploding_factor * reference[known]
             row = table[t]
-            with np.errstate(invalid="ignore"):
-                calm = np.isfinite(row) & (row <= ceilings[t]) & (row <= cfg.exploding_abs_norm)
+            over_rel, over_abs = self._exceeds(row, ceilings[t])
+            calm = np.isfinite(row) & ~over_rel & ~over_abs
             recent[slot[calm], columns[calm]] = row[calm]
             slot[calm] = (slot[calm] + 1) % _RECENT_STEPS
         return ceilings
+
+    def _exceeds(self, values: np.ndarray, ceiling: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(above the relative ceiling, above the absolute one): the one definition of "exploded"."""
+        with np.errstate(invalid="ignore"):  # NaN (no gradient) is neither
+            return values > ceiling, values > self.config.exploding_abs_norm
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

@@ -162,7 +162,7 @@ class ParamStats:
         groups, present = self._groups([p.grad for p in self.params])
         device = sumsq_row.device
         for (grad_device, dtype, large), (grads, owners) in groups.items():
-            key = owners if isinstance(owners, tuple) else tuple(owners)
+            key = tuple(owners)  # the planned groups' owners are tuples already: no copy
             index = self._owner_layers.get(key, lambda: [self.param_layer[j] for j in key])
             if grad_device.type == "cpu":
                 k = len(grads)

@@ -112,8 +112,3 @@ class GradientFlowHeatmap:
         self._figure.canvas.restore_region(self._background)
         for artist in self._animated:
             self._axes.draw_artist(artist)
-
-
-def gradient_flow_image(w: Window) -> np.ndarray | None:
-    """One window drawn on its own (a fresh figure); see ``GradientFlowHeatmap`` for repeated use."""
-    return GradientFlowHeatmap().render(w)
