@@ -41,7 +41,7 @@ class WithoutParamStats(_GradWatch50):
     def __init__(self, model, workload, device):
         super().__init__(model, workload, device)
         stats = self.monitor._recorder.param_stats
-        stats.record = lambda *rows: np.zeros(stats.n_layers, dtype=np.int64)
+        stats.record = lambda *rows: np.zeros(stats.n_params, dtype=np.int64)
 
 
 class WithoutOutputGradReductions(_GradWatch50):
@@ -53,11 +53,11 @@ class WithoutOutputGradReductions(_GradWatch50):
         super().__init__(model, workload, device)
         recorder = self.monitor._recorder
 
-        def make_grad_hook(index, out):
+        def make_grad_hook(index, ndim, units):
             def hook(grad):
                 return None
 
-            recorder._grad_hooks[(index, out.ndim)] = hook
+            recorder._grad_hooks[(index, ndim, units)] = hook
             return hook
 
         recorder._make_grad_hook = make_grad_hook

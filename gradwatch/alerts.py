@@ -63,8 +63,10 @@ def format_message(f: Finding) -> str:
 class AlertTracker:
     """Logs each condition at onset, reminds while it persists, and logs recovery."""
 
-    def __init__(self, remind_every: int) -> None:
+    def __init__(self, remind_every: int, log_alerts: bool = True) -> None:
         self.remind_every = remind_every
+        # Distributed runs: every rank tracks the same (reduced) alerts, one rank logs them.
+        self._level_offset = 0 if log_alerts else logging.CRITICAL
         self.alerts: list[Alert] = []
         # (kind, layer) -> flushes since the condition was last logged
         self.active: dict[tuple[str, str], int] = {}
@@ -83,21 +85,18 @@ class AlertTracker:
                 self.alerts.append(alert)
                 new.append(alert)
                 self.active[key] = 0
-                log.log(logging.ERROR if f.kind == "nonfinite" else logging.WARNING, message)
+                log.log(self._level(f.kind), message)
             else:
                 self.active[key] += 1
                 if self.remind_every and self.active[key] >= self.remind_every:
                     self.active[key] = 0
-                    log.log(
-                        logging.ERROR if f.kind == "nonfinite" else logging.WARNING,
-                        "%s (still present)",
-                        message,
-                    )
+                    log.log(self._level(f.kind), "%s (still present)", message)
         for key in list(self.active):
             if key not in current:
                 del self.active[key]
                 kind, layer = key
-                log.info(
+                log.log(
+                    self._level("recovery"),
                     "[gradwatch] %s in %s recovered by step %d",
                     kind,
                     f"layer {layer}" if layer else "the whole model",
@@ -110,6 +109,12 @@ class AlertTracker:
                 except Exception as exc:
                     log.warning("gradwatch: alert callback %r failed: %s", callback, exc)
         return new
+
+    def _level(self, kind: str) -> int:
+        """ERROR for non-finite values, INFO for recoveries, WARNING otherwise; DEBUG on non-writing ranks."""
+        if self._level_offset:
+            return logging.DEBUG
+        return {"nonfinite": logging.ERROR, "recovery": logging.INFO}.get(kind, logging.WARNING)
 
     def state_dict(self) -> dict[str, Any]:
         return {

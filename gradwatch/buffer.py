@@ -1,11 +1,21 @@
-"""The on-device statistics buffer.
+"""The on-device statistics buffer: every state declared once, when the monitor attaches.
 
-Every state is a reducible partial (a sum of squares, a maximum, a count) and
-declares how ranks combine it, in the manner of torchmetrics'
-``add_state(..., dist_reduce_fx=...)``. All states live in one flat float32
-tensor on the training device, grouped by reduction, so that a flush is a
-single device-to-host copy and a distributed reduction is one collective per
-reduction kind.
+Every state is a reducible partial (a sum of squares, a maximum, a count) that
+declares its shape and how ranks combine it, in the manner of torchmetrics'
+``add_state(..., dist_reduce_fx=...)``. The declarations are made from the
+model's structure alone (layers, parameters, declared units), so the layout is
+identical on every rank by construction, and :meth:`StatBuffer.freeze` makes it
+final: nothing is resized mid-run.
+
+All states live in one flat tensor on the training device, grouped by
+reduction, so that a flush is a single device-to-host copy and a distributed
+reduction is one collective per reduction kind. The tensor is float64 where the
+device has it (a gradient's sum of squares overflows float32 from |g| ~ 1e19),
+float32 elsewhere (Apple MPS).
+
+Counts the host already knows (calls seen, parameters present, samples seen)
+are *host states*: numpy arrays updated without touching the device, copied
+into their slots of the flat tensor at flush time, and reduced with the rest.
 """
 
 from __future__ import annotations
@@ -20,11 +30,17 @@ Reduce = Literal["sum", "max", "none"]
 _ORDER: tuple[Reduce, ...] = ("sum", "max", "none")
 
 
+def stat_dtype(device: torch.device) -> torch.dtype:
+    """float64 where the device supports it, else float32 (MPS has no float64)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 @dataclass
 class _State:
     name: str
     shape: tuple[int, ...]
     reduce: Reduce
+    host: bool
     offset: int = 0
 
     @property
@@ -33,60 +49,71 @@ class _State:
 
 
 class StatBuffer:
-    """Preallocated float32 states on one device, copied to the host in one transfer."""
+    """Declared states on one device, copied to the host in one transfer."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.dtype = stat_dtype(device)
         self._states: dict[str, _State] = {}
-        self._storage = torch.zeros(0, dtype=torch.float32, device=device)
+        self._frozen = False
+        self._storage = torch.zeros(0, dtype=self.dtype, device=device)
         self._views: dict[str, torch.Tensor] = {}
         self._rows: dict[str, list[torch.Tensor]] = {}
+        self.host: dict[str, np.ndarray] = {}  # host states, by name
 
-    def add_state(self, name: str, shape: tuple[int, ...], reduce: Reduce) -> None:
-        """Declare or resize a state; every value already held is kept.
+    def add_state(self, name: str, shape: tuple[int, ...], reduce: Reduce, host: bool = False) -> None:
+        """Declare a state: its shape and its cross-process reduction ("sum", "max" or "none").
 
-        A resized state keeps the values of its overlapping leading elements (flat
-        order), so growing the per-unit state mid-window, when a layer runs for the
-        first time, does not forget what the other layers accumulated.
+        ``host=True``: a count kept in a numpy array (``buffer.host[name]``) and
+        copied into the flat tensor at flush. Only before :meth:`freeze`.
         """
+        if self._frozen:
+            raise RuntimeError(f"state {name!r} declared after the layout was frozen")
         if reduce not in _ORDER:
             raise ValueError(f"reduce must be one of {_ORDER}, got {reduce!r}")
-        old = {n: self._views[n].reshape(-1).clone() for n in self._states}
-        self._states[name] = _State(name, tuple(shape), reduce)
-        self._layout()
-        for n, value in old.items():
-            target = self._views[n].view(-1)
-            keep = min(value.numel(), target.numel())
-            target[:keep].copy_(value[:keep])
+        if name in self._states:
+            raise ValueError(f"state {name!r} is declared twice")
+        self._states[name] = _State(name, tuple(int(s) for s in shape), reduce, host)
 
-    def _layout(self) -> None:
+    def freeze(self) -> None:
+        """Lay the declared states out in one flat tensor; the layout never changes afterwards."""
         offset = 0
         for kind in _ORDER:
             for state in self._states.values():
                 if state.reduce == kind:
                     state.offset = offset
                     offset += state.numel
-        self._storage = torch.zeros(offset, dtype=torch.float32, device=self.device)
+        self._storage = torch.zeros(offset, dtype=self.dtype, device=self.device)
         self._views = {
-            s.name: self._storage[s.offset : s.offset + s.numel].view(s.shape)
-            for s in self._states.values()
+            s.name: self._storage[s.offset : s.offset + s.numel].view(s.shape) for s in self._states.values()
         }
-        self._rows = {}
+        self.host = {s.name: np.zeros(s.shape, dtype=np.int64) for s in self._states.values() if s.host}
+        self._frozen = True
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._views[name]
 
     def row(self, name: str, index: int) -> torch.Tensor:
-        """Row ``index`` of a state, as a view made once per layout (indexing is an op per call)."""
+        """Row ``index`` of a state, as a view made once (indexing is an op per call)."""
         rows = self._rows.get(name)
         if rows is None:
             rows = self._rows[name] = list(self._views[name].unbind(0))
         return rows[index]
 
+    def layout(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """(name, shape, reduce) of every state, in storage order: the same on every rank."""
+        states = sorted(self._states.values(), key=lambda s: s.offset)
+        return [(s.name, s.shape, s.reduce) for s in states]
+
     @property
     def nbytes(self) -> int:
         """Bytes held on the device."""
         return self._storage.numel() * self._storage.element_size()
+
+    def load_host_states(self) -> None:
+        """Copy the host states into their slots of the flat tensor (at flush time)."""
+        for name, values in self.host.items():
+            self._views[name].copy_(torch.from_numpy(values).to(self.dtype), non_blocking=False)
 
     def all_reduce(self, group: object = None) -> None:
         """Combine the states across ranks: one collective per reduction kind present."""
@@ -102,13 +129,12 @@ class StatBuffer:
             dist.all_reduce(self._storage[start:stop], op=op, group=group)
 
     def to_host(self) -> dict[str, np.ndarray]:
-        """Copy every state to host numpy arrays in one transfer (this synchronises)."""
-        host = self._storage.to("cpu", copy=True).numpy()
-        return {
-            s.name: host[s.offset : s.offset + s.numel].reshape(s.shape)
-            for s in self._states.values()
-        }
+        """Every state as a float64 numpy array, in one device-to-host transfer (this synchronises)."""
+        host = self._storage.to("cpu", copy=True).numpy().astype(np.float64, copy=False)
+        return {s.name: host[s.offset : s.offset + s.numel].reshape(s.shape) for s in self._states.values()}
 
     def zero_(self) -> None:
         """Reset every state for the next window."""
         self._storage.zero_()
+        for values in self.host.values():
+            values[...] = 0

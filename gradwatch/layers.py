@@ -23,12 +23,19 @@ _CHANNEL_FIRST = (
 
 @dataclass
 class LayerSpec:
-    """One monitored layer: a module, its qualified name and the parameters it owns."""
+    """One monitored layer: a module, its qualified name, the parameters it owns and its units.
+
+    ``units`` is declared when the monitor attaches, from the module's metadata
+    (``out_features``, ``out_channels``, ``num_features``, ``embedding_dim``, ...),
+    never from a forward call, so that every rank lays out the same per-unit
+    state; ``0`` when the metadata does not say (no dead-unit judgement then).
+    """
 
     name: str
     module: nn.Module
     params: list[nn.Parameter]
     channel_first: bool
+    units: int = 0
 
     def unit_dim(self, ndim: int) -> int:
         """Index of the unit dimension in an output with ``ndim`` dims."""
@@ -80,7 +87,9 @@ def discover_layers(
                 own.append(p)
         if own:
             candidates.append(
-                LayerSpec(name or ROOT_NAME, module, own, isinstance(module, _CHANNEL_FIRST))
+                LayerSpec(
+                    name or ROOT_NAME, module, own, isinstance(module, _CHANNEL_FIRST), declared_units(module, own)
+                )
             )
     if not candidates:
         raise ValueError(
@@ -101,6 +110,45 @@ def discover_layers(
             f"the layers are: {', '.join(names)}"
         )
     return candidates
+
+
+def declared_units(module: nn.Module, own: Sequence[nn.Parameter] = ()) -> int:
+    """The number of output units of ``module`` from its metadata; 0 when unknown.
+
+    Units are the output features: dim 1 of the output for convolutions and
+    per-channel normalisations, the last dim otherwise. Modules torch does not
+    describe fall back to a well-known attribute, then to the length of a 1-D
+    ``bias`` or ``weight`` they own (a norm's scale, a layer-scale factor); a
+    forward call whose unit dim disagrees is not judged for dead units.
+    """
+    if isinstance(module, (nn.Linear, nn.Bilinear)):
+        return int(module.out_features)
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return int(module.out_channels)
+    if isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)):
+        return int(module.num_features)
+    if isinstance(module, nn.GroupNorm):
+        return int(module.num_channels)
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return int(module.embedding_dim)
+    if isinstance(module, nn.MultiheadAttention):
+        return int(module.embed_dim)
+    if isinstance(module, nn.RNNBase):
+        size = module.proj_size if getattr(module, "proj_size", 0) else module.hidden_size
+        return int(size) * (2 if module.bidirectional else 1)
+    normalized = getattr(module, "normalized_shape", None)  # LayerNorm, RMSNorm
+    if isinstance(normalized, (tuple, list)) and normalized:
+        return int(normalized[-1])
+    for attribute in ("out_features", "out_channels", "num_features", "embedding_dim", "nf"):
+        value = getattr(module, attribute, None)  # e.g. transformers' Conv1D has nf
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    named = dict(module.named_parameters(recurse=False))
+    for attribute in ("bias", "weight"):
+        p = named.get(attribute)
+        if p is not None and p.ndim == 1 and any(p is q for q in own):
+            return int(p.shape[0])
+    return 0
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:

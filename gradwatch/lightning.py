@@ -94,8 +94,8 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
             exclude=self.exclude,
             scaler=getattr(trainer.precision_plugin, "scaler", None),
             histograms=self.histograms,
+            sync_dist=trainer.world_size > 1,
         )
-        monitor.sync_dist = trainer.world_size > 1  # ranks other than 0 got no writer above
         if self._pending_state is not None:
             monitor.load_state_dict(self._pending_state)
             self._pending_state = None
@@ -119,20 +119,19 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
     # that enables grad in validation_step.
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self.monitor is not None:
-            self.monitor._recorder.active = False
+            self.monitor.pause()
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self.monitor is not None:
-            self.monitor._recorder.active = True
+            self.monitor.resume()
 
     # ---------------------------------------------------------------- record
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         monitor = self.monitor
         if monitor is None or (trainer.optimizers and optimizer is not trainer.optimizers[0]):
             return
-        monitor._params_scaled = _grads_still_scaled(trainer, optimizer)
         try:
-            monitor.step(trainer.global_step)
+            monitor.step(trainer.global_step, grads_scaled=_grads_still_scaled(trainer, optimizer))
         except GradientHealthError as exc:
             log.error("gradwatch: stopping training: %s", exc)
             trainer.should_stop = True

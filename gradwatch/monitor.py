@@ -6,7 +6,6 @@ import logging
 import weakref
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -17,7 +16,8 @@ from .hooks import HookSet
 from .layers import discover_layers
 from .recorder import Recorder
 from .sinks.tensorboard import TensorBoardSink
-from .window import Window, build_window
+from .failures import FailureLog
+from .window import Window
 
 log = logging.getLogger("gradwatch")
 
@@ -43,6 +43,7 @@ class GradMonitor:
         exclude: str | Sequence[str] | None = None,
         scaler: Any = None,
         histograms: bool = False,
+        sync_dist: bool | None = None,
     ) -> None:
         if not isinstance(flush_every, int) or isinstance(flush_every, bool) or flush_every < 1:
             raise ValueError(f"flush_every must be an int >= 1 (steps per flush), got {flush_every!r}")
@@ -56,6 +57,8 @@ class GradMonitor:
             raise TypeError(
                 f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}"
             )
+        if sync_dist is not None and not isinstance(sync_dist, bool):
+            raise TypeError(f"sync_dist must be True, False or None (automatic), got {sync_dist!r}")
         self.config = config
         self.flush_every = flush_every
         self.histograms = bool(histograms)
@@ -63,10 +66,12 @@ class GradMonitor:
         self._layer_specs = discover_layers(model, include, exclude)
         self._names = [layer.name for layer in self._layer_specs]
         device = self._layer_specs[0].params[0].device
-        _check_window_size(flush_every, len(self._layer_specs))
+        _check_window_size(flush_every, len(self._layer_specs), sum(len(s.params) for s in self._layer_specs))
 
-        self.sync_dist = _dist_world_size() > 1
-        is_writer = _dist_rank() == 0  # only rank 0 writes
+        world = _dist_world_size()
+        self._rank = _dist_rank()
+        self._sync_dist = world > 1 if sync_dist is None else (sync_dist and world > 1)
+        is_writer = self._rank == 0  # only rank 0 writes
 
         # A weak reference: the hooks hold the recorder, and the recorder must not keep
         # the monitor alive (so that dropping the monitor removes its hooks).
@@ -76,28 +81,26 @@ class GradMonitor:
             monitor = self_ref()
             return None if monitor is None else monitor._current_scale()
 
+        self._failures = FailureLog()
         self._recorder = Recorder(
-            self._layer_specs, flush_every, device, scale_source, project_units=config.dead_eps == 0
+            self._layer_specs,
+            flush_every,
+            device,
+            scale_source,
+            project_units=config.dead_eps == 0,
+            world_size=world,
         )
-        self._param_numel = np.array(
-            [sum(p.numel() for p in layer.params) for layer in self._layer_specs], dtype=np.int64
-        )
+        if self._sync_dist:
+            self._agree_on_layout()
         self._checks = HealthChecks(config, self._names)
-        self._tracker = AlertTracker(config.remind_every)
+        self._tracker = AlertTracker(config.remind_every, log_alerts=is_writer)
         self._sink: TensorBoardSink | None = None
+        self._logdir = str(logdir) if is_writer and logdir is not None else None
         if is_writer and writer is not None:
             self._sink = TensorBoardSink(writer, owns_writer=False)
-        elif is_writer and logdir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # A deep queue so that a flush's events never wait for the writer thread;
-            # flush_secs bounds how stale the files on disk can be.
-            writer = SummaryWriter(log_dir=str(logdir), max_queue=1000, flush_secs=30)
-            self._sink = TensorBoardSink(writer, owns_writer=True)
+        self._open_own_writer()
         self._window_steps: list[int] = []
         self._next_step = 0
-        # Set by adapters when an optimizer leaves its gradients scaled at step().
-        self._params_scaled = False
         self._closed = False
         self.last_window: Window | None = None  # the most recent flushed window
         self._hooks = HookSet(self._layer_specs, self._recorder)
@@ -118,6 +121,34 @@ class GradMonitor:
         """Bytes of statistics gradwatch holds on the training device."""
         return self._recorder.buffer.nbytes
 
+    @property
+    def sync_dist(self) -> bool:
+        """Whether flushes combine statistics across processes (one collective per reduction kind).
+
+        On by default when ``torch.distributed`` runs more than one process. Every rank
+        must then call :meth:`step` the same number of times. Set it to False where the
+        other ranks cannot reach a collective any more (an exception on one rank).
+        """
+        return self._sync_dist
+
+    @sync_dist.setter
+    def sync_dist(self, value: bool) -> None:
+        self._sync_dist = bool(value) and _dist_world_size() > 1
+
+    @property
+    def recording(self) -> bool:
+        """False between :meth:`pause` and :meth:`resume`."""
+        return self._recorder.active
+
+    def pause(self) -> None:
+        """Stop recording forward/backward calls (e.g. a validation loop with grad enabled)."""
+        self._recorder.active = False
+
+    def resume(self) -> None:
+        """Record forward/backward calls again after :meth:`pause`."""
+        if not self._closed:
+            self._recorder.active = True
+
     def add_alert_callback(self, callback: Callable[[Alert], None]) -> None:
         """Call ``callback(alert)`` for every new alert (after it is logged)."""
         if not callable(callback):
@@ -125,10 +156,13 @@ class GradMonitor:
         self._tracker.callbacks.append(callback)
 
     # ------------------------------------------------------------------ step
-    def step(self, global_step: int | None = None) -> list[Alert]:
+    def step(self, global_step: int | None = None, *, grads_scaled: bool = False) -> list[Alert]:
         """Record one optimizer step; flushes (and returns new alerts) every ``flush_every`` steps.
 
-        Between flushes this enqueues device work only: no host/device sync.
+        ``grads_scaled``: the parameter gradients still carry the GradScaler's scale at
+        this point (an optimizer that unscales inside its own step, e.g. fused Adam
+        under AMP); gradwatch divides by the scale. Between flushes this enqueues
+        device work only: no host/device sync.
         """
         if self._closed:
             raise RuntimeError("this GradMonitor is closed; create a new one to keep monitoring")
@@ -136,10 +170,9 @@ class GradMonitor:
             global_step = int(global_step)
         step = self._next_step if global_step is None else global_step
         try:
-            self._recorder.record_step(params_scaled=self._params_scaled)
-        except Exception as exc:  # never break a healthy run
+            self._recorder.record_step(params_scaled=grads_scaled)
+        except Exception as exc:  # never break a healthy run; the row is marked failed
             self._recorder.hook_failed("step()", exc)
-            return []
         self._window_steps.append(step)
         self._next_step = step + 1
         if self._recorder.slot >= self.flush_every:
@@ -156,48 +189,99 @@ class GradMonitor:
             return []
         steps = self._window_steps
         self._window_steps = []
+        window = None
         try:
-            if self.sync_dist:
-                recorder.buffer.all_reduce()
-            host = recorder.buffer.to_host()
-            window = build_window(
-                host,
-                steps,
-                self._names,
-                self._param_numel,
-                recorder.out_calls,
-                recorder.param_present,
-                recorder.unit_offset,
-                recorder.unit_count,
-                self.config.dead_eps,
-                recorder.step_orders,
-                scaler_in_use=self._scaler is not None and self._scaler.is_enabled(),
-            )
-        except Exception as exc:
-            log.warning("gradwatch: flush failed (%s: %s); this window is dropped", type(exc).__name__, exc)
-            return []
+            window = self._read_window(steps)
         finally:
             recorder.reset_window()
-        findings = self._checks.check(window)
-        new = self._tracker.update(findings, steps[-1])
+        if window is None:
+            return []
+        self._open_own_writer()
+        findings = self._guarded("the health checks", lambda: self._checks.check(window), [])
+        new = self._guarded("alert tracking", lambda: self._tracker.update(findings, steps[-1]), [])
         if self._sink is not None:
-            try:
-                self._sink.write(window, new, len(self._tracker.alerts), final=final)
-                if self.histograms and not final:
-                    named = [(layer.name, [p.grad for p in layer.params if p.grad is not None])
-                             for layer in self._layer_specs]
-                    self._sink.write_histograms([(n, g) for n, g in named if g], steps[-1])
-            except Exception as exc:
-                log.warning("gradwatch: writing to TensorBoard failed: %s: %s", type(exc).__name__, exc)
+            self._guarded(
+                "writing to TensorBoard",
+                lambda: self._sink.write(window, new, len(self._tracker.alerts), final=final),  # type: ignore[union-attr]
+                None,
+            )
+            if self.histograms and not final:
+                self._guarded("writing histograms", lambda: self._write_histograms(steps[-1]), None)
         self.last_window = window
         stopping = [a for a in new if a.kind in self.config.stop_on]
         if stopping:
             raise GradientHealthError(stopping)
         return new
 
+    def _read_window(self, steps: list[int]) -> Window | None:
+        """Prepare, reduce across ranks, copy to the host and decode; None if that failed.
+
+        Every rank reaches the collective whatever failed before it on this rank (a
+        failure is marked in the buffer instead), so no rank is left waiting.
+        """
+        recorder = self._recorder
+        try:
+            recorder.prepare_flush()
+        except Exception as exc:
+            self._failures.failed("preparing a flush", exc, "this window's statistics are dropped")
+            recorder.mark_window_failed()
+            try:
+                recorder.buffer.load_host_states()
+            except Exception:
+                pass
+        if self._sync_dist:
+            try:
+                recorder.buffer.all_reduce()
+            except Exception as exc:
+                self._sync_dist = False
+                self._failures.failed(
+                    "the cross-process reduction", exc, "each rank now reports its own statistics"
+                )
+        try:
+            window = recorder.snapshot(
+                steps, self.config.dead_eps, scaler_in_use=self._scaler is not None and self._scaler.is_enabled()
+            )
+        except Exception as exc:
+            self._failures.failed("reading the statistics", exc, "this window is dropped")
+            return None
+        self._failures.succeeded("preparing a flush")
+        return window
+
+    def _guarded(self, stage: str, action: Callable[[], Any], default: Any) -> Any:
+        try:
+            result = action()
+        except Exception as exc:
+            self._failures.failed(stage, exc)
+            return default
+        self._failures.succeeded(stage)
+        return result
+
+    def _open_own_writer(self) -> None:
+        """Open the writer gradwatch owns (at attach, then at each flush until it works: a full disk)."""
+        if self._sink is not None or self._logdir is None:
+            return
+
+        def open_writer() -> TensorBoardSink:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # A deep queue so that a flush's events never wait for the writer thread;
+            # flush_secs bounds how stale the files on disk can be.
+            writer = SummaryWriter(log_dir=self._logdir, max_queue=1000, flush_secs=30)
+            return TensorBoardSink(writer, owns_writer=True)
+
+        self._sink = self._guarded("opening the TensorBoard writer", open_writer, None)
+
+    def _write_histograms(self, step: int) -> None:
+        named = [(layer.name, [p.grad for p in layer.params if p.grad is not None]) for layer in self._layer_specs]
+        self._sink.write_histograms([(n, g) for n, g in named if g], step)  # type: ignore[union-attr]
+
     # --------------------------------------------------------------- closing
     def close(self) -> None:
-        """Flush what is left, remove every hook, close the writer gradwatch owns. Idempotent."""
+        """Flush what is left, remove every hook, close the writer gradwatch owns. Idempotent.
+
+        Afterwards the monitor holds no reference to the model; its layers, alerts
+        and last window stay readable.
+        """
         if self._closed:
             return
         self._closed = True
@@ -208,15 +292,11 @@ class GradMonitor:
                 log.error("gradwatch: %s", exc)
         finally:
             self._hooks.remove()
-            self._recorder.active = False
-            self._recorder.discard_pending()
+            self._recorder.drop_references()
             if self._sink is not None:
-                self._sink.close()
+                self._guarded("closing the TensorBoard writer", self._sink.close, None)
                 self._sink = None
-            # Drop every reference to the model so that it can be collected.
             self._layer_specs = []
-            self._recorder.layers = []
-            self._recorder.param_stats.params = []
 
     def __enter__(self) -> "GradMonitor":
         return self
@@ -240,7 +320,8 @@ class GradMonitor:
             "layers": list(self._names),
             "checks": self._checks.state_dict(),
             "tracker": self._tracker.state_dict(),
-            "layout_written": bool(self._sink and self._sink.layout_written),
+            # The dashboard layout belongs to a log folder, not to the run.
+            "layout_dir": self._sink.layout_dir if self._sink is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -250,8 +331,8 @@ class GradMonitor:
         self._next_step = int(state["next_step"])
         self._checks.load_state_dict(state["checks"])
         self._tracker.load_state_dict(state["tracker"])
-        if self._sink is not None and state.get("layout_written"):
-            self._sink.layout_written = True
+        if self._sink is not None:
+            self._sink.restore_layout_dir(state.get("layout_dir"))
 
     # --------------------------------------------------------------- helpers
     def _current_scale(self) -> torch.Tensor | None:
@@ -259,6 +340,35 @@ class GradMonitor:
         if scaler is None or not scaler.is_enabled():
             return None
         return scaler._scale  # a device tensor; get_scale() would synchronise
+
+    def _agree_on_layout(self) -> None:
+        """One collective at attach: every rank must hold the same state layout, or sync goes off.
+
+        The layout is built from the model's structure, so identical models agree by
+        construction; ranks that monitor different layers (a different model, other
+        include/exclude patterns) would otherwise reduce unrelated values or abort.
+        """
+        import zlib
+
+        import torch.distributed as dist
+
+        layout = repr((self._names, self._recorder.buffer.layout())).encode()
+        fingerprint = zlib.crc32(layout)
+        try:
+            probe = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=self._recorder.device)
+            dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+            high, neg_low = probe.tolist()
+        except Exception as exc:
+            self._sync_dist = False
+            self._failures.failed("agreeing on a layout across ranks", exc, "each rank reports its own statistics")
+            return
+        if high != fingerprint or -neg_low != fingerprint:
+            self._sync_dist = False
+            log.warning(
+                "gradwatch: the ranks monitor different layers (layout fingerprints differ); statistics are "
+                "not combined across ranks: each rank reports its own and only rank 0 writes. Attach the "
+                "monitor to the same model with the same include/exclude on every rank."
+            )
 
 
 def _dist_world_size() -> int:
@@ -273,14 +383,16 @@ def _dist_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-# Per step and layer: five float32 device statistics and two int64 host counters.
-_BYTES_PER_STEP_AND_LAYER = 5 * 4 + 2 * 8
+# Per step: four float64 device statistics per parameter tensor (and one host count),
+# three per layer (and one host count).
+_BYTES_PER_STEP_AND_TENSOR = 3 * 8 + 8
+_BYTES_PER_STEP_AND_LAYER = 2 * 8 + 8
 _MAX_WINDOW_BYTES = 1 << 30
 
 
-def _check_window_size(flush_every: int, layers: int) -> None:
+def _check_window_size(flush_every: int, layers: int, tensors: int) -> None:
     """A window is kept per step until it is flushed: refuse one that cannot fit."""
-    size = flush_every * layers * _BYTES_PER_STEP_AND_LAYER
+    size = flush_every * (layers * _BYTES_PER_STEP_AND_LAYER + tensors * _BYTES_PER_STEP_AND_TENSOR)
     if size > _MAX_WINDOW_BYTES:
         raise ValueError(
             f"flush_every={flush_every} with {layers} monitored layers would keep {size / (1 << 30):.1f} GiB "

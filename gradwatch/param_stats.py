@@ -1,75 +1,81 @@
-"""Fused reductions over the layers' parameter gradients, as they stand at step().
+"""Per-tensor reductions of the parameter gradients, as they stand at step().
 
-In the manner of ``torch.nn.utils.clip_grad``: gradients are grouped by device
-and dtype and reduced with ``torch._foreach_*`` kernels (one launch per group
-on accelerators), then scattered into per-layer rows with one ``index_add_`` /
-``scatter_reduce_`` each. Nothing is copied from an accelerator to the host.
+In the manner of ``torch.nn.utils.clip_grad``: gradients are grouped by device,
+dtype and strategy, and each group is reduced by one strategy that fills every
+statistic of its tensors:
 
-Non-finite counts: a tensor's sum of squares is finite exactly when all its
-elements are finite, so the count is zero for free in the common case. On an
-accelerator the count is computed every step (a cheap fused kernel there). On
-the CPU, where an exact count costs 2-3 passes over every gradient, the sums
-of squares are written into a tensor that shares memory with a numpy array;
-reading it is a plain memory read of host memory, not a device sync, and the
-count pass runs only for tensors whose sum of squares is not finite.
+- ``ForeachStats`` (any device): one ``torch._foreach_norm`` per group for the
+  sums of squares (accumulated in float64 on accelerators, where that costs
+  nothing more than the memory read), one for max |g|, and a chunked foreach
+  count of non-finite elements.
+- ``CpuBlasStats`` (CPU, float32 tensors of at least 32K elements): one BLAS
+  ``dot`` (sum of squares) and one ``aminmax`` (max |g|) per tensor, written into
+  preallocated slots; on the CPU these beat the foreach kernels (the inf-norm
+  kernel is ~8x slower than ``aminmax``, a float64 norm ~4x slower than ``dot``).
+
+Results are per *tensor*, written into the step's row of the per-tensor states
+(``param_sq``, ``param_max``, ``param_nonfinite``); the host adds them up per
+layer at flush. Columns are ordered by group, so that each group writes one
+contiguous slice with ``torch.stack(..., out=)``.
+
+CPU results are host memory: both strategies compute them in float32 into
+slots and then ``_fix_cpu_results`` reads the sums of squares on the host (a
+plain memory read, no device sync). A sum that is not finite means non-finite
+elements (counted exactly, by a pass that runs only then) or a float32 overflow
+of a finite gradient (|g| >~ 1e19: its sum of squares is recomputed in
+float64), so a finite gradient always gets a finite, exact norm.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .devices import IndexCache
 from .layers import LayerSpec
+from .sharding import is_dtensor, local_piece
 
 _INF = float("inf")
 
-
-# On the CPU, tensors at least this large are reduced one op each (BLAS dot and
-# aminmax beat the foreach kernels there); smaller ones (biases, norms) go through
-# one foreach call per group, which saves a Python dispatch per tensor.
-_CPU_LARGE = 1 << 15
-
-
-def _sq_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Per-tensor sum of squares, accumulated in float32."""
-    try:
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-    except TypeError:  # torch < 2.5 has no dtype argument
-        norms = [n.float() for n in torch._foreach_norm([g.float() for g in grads], 2)]
-    return list(torch._foreach_mul(norms, norms))
-
-
-def _abs_max(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Per-tensor max |g| as one stacked tensor."""
-    if grads[0].device.type == "cpu" and grads[0].numel() >= _CPU_LARGE:
-        # The CPU inf-norm kernel is ~8x slower than aminmax; one pass each.
-        pairs = [torch.aminmax(g) for g in grads]
-        lo = torch.stack([p[0] for p in pairs])
-        hi = torch.stack([p[1] for p in pairs])
-        return torch.maximum(hi, lo.neg_())
-    if grads[0].device.type == "cpu" and hasattr(torch, "_foreach_max"):
-        return torch.stack(torch._foreach_max(torch._foreach_abs(grads)))
-    return torch.stack(torch._foreach_norm(grads, _INF))
-
-
-_GroupKey = tuple[torch.device, torch.dtype, bool]
-_Group = tuple[list[torch.Tensor], "list[int] | tuple[int, ...]"]
+# CPU float32 tensors at least this large go to CpuBlasStats; smaller ones (biases,
+# norms) to one foreach call per group, which saves a Python dispatch per tensor.
+CPU_LARGE = 1 << 15
 
 # Temporaries of the non-finite count are bounded to this many elements at a time.
 _COUNT_CHUNK = 1 << 24
 
 
-def _nonfinite_counts(grads: list[torch.Tensor], chunk: int = _COUNT_CHUNK) -> torch.Tensor:
+@dataclass
+class StepRows:
+    """One step's rows of the per-tensor states (float64 views into the buffer), or a group's slice of them."""
+
+    sq: torch.Tensor
+    max: torch.Tensor | None  # None: max |g| not recorded this step
+    nonfinite: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self._slices: dict[tuple[int, int], "StepRows"] = {}
+
+    def part(self, cols: slice) -> "StepRows":
+        """The rows of columns ``cols``, as views made once (slicing is an op per call)."""
+        key = (cols.start, cols.stop)
+        part = self._slices.get(key)
+        if part is None:
+            part = StepRows(self.sq[cols], None if self.max is None else self.max[cols], self.nonfinite[cols])
+            if len(self._slices) < 64:
+                self._slices[key] = part
+        return part
+
+
+def nonfinite_counts(grads: list[torch.Tensor], chunk: int = _COUNT_CHUNK) -> torch.Tensor:
     """Per-tensor number of NaN/Inf elements, as one float32 tensor on the gradients' device.
 
     ``g - g`` is 0 for finite values and NaN for NaN/Inf, and the 0-"norm" counts the
     non-zeros. The gradients are cut into flat views of at most ``chunk`` elements and
-    processed a batch of at most ``chunk`` elements at a time, so the temporaries never
-    exceed ``chunk`` elements however large the model (a 7B-parameter model would
-    otherwise allocate a second copy of all its gradients).
+    processed at most ``chunk`` elements at a time, so the temporaries never exceed
+    ``chunk`` elements however large the model.
     """
     pieces: list[torch.Tensor] = []
     owners: list[int] = []
@@ -94,130 +100,209 @@ def _nonfinite_counts(grads: list[torch.Tensor], chunk: int = _COUNT_CHUNK) -> t
     return torch.stack(counts).to(torch.float32)
 
 
-class ParamStats:
-    """Per-layer sum of squares, max |g| and non-finite count of parameter gradients."""
+class ForeachStats:
+    """Device-agnostic: one foreach kernel per statistic and group."""
 
-    def __init__(self, layers: list[LayerSpec], device: torch.device) -> None:
-        self.params: list[torch.nn.Parameter] = []
-        self.param_layer: list[int] = []
-        for index, layer in enumerate(layers):
-            for p in layer.params:
-                self.params.append(p)
-                self.param_layer.append(index)
-        self.n_layers = len(layers)
-        self.sharded = any(_is_dtensor(p) for p in self.params)
-        self._owner_layers = IndexCache(device)  # parameters with a gradient -> their layers
-        # Host memory shared with a tensor (CPU path only, see module docstring).
-        self._cpu_sq = torch.zeros(len(self.params), dtype=torch.float32)
-        self._cpu_sq_view = self._cpu_sq.numpy()
-        # Large float32 CPU gradients: each op writes its result into a slot of
-        # these (out=), which saves a stack and an allocation per statistic.
-        self._cpu_lo = torch.zeros(len(self.params), dtype=torch.float32)
-        self._cpu_hi = torch.zeros(len(self.params), dtype=torch.float32)
-        self._slots = list(zip(self._cpu_sq.unbind(), self._cpu_lo.unbind(), self._cpu_hi.unbind()))
-        self._heads: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        # The grouping of a step where every parameter has a dense gradient.
-        plan: dict[_GroupKey, list[int]] = defaultdict(list)
-        self._plan_present = np.zeros(self.n_layers, dtype=np.int64)
-        for j, p in enumerate(self.params):
-            if p.numel() and not self.sharded:
-                plan[_group_key(p)].append(j)
-                self._plan_present[self.param_layer[j]] += 1
-        self._plan = [(key, tuple(owners)) for key, owners in plan.items()]
+    name = "foreach"
 
-    def record(
-        self, sumsq_row: torch.Tensor, max_row: torch.Tensor, nonfinite_row: torch.Tensor
-    ) -> np.ndarray:
-        """Write this step's per-layer partials into the rows; returns params present per layer."""
-        with torch.no_grad():  # gradients made with create_graph=True require grad themselves
-            return self._record(sumsq_row, max_row, nonfinite_row)
+    def __init__(self, acc_dtype: torch.dtype) -> None:
+        self.acc_dtype = acc_dtype  # float64 where the device has it (not MPS)
 
-    def _groups(self, grads: list[torch.Tensor | None]) -> tuple[dict[_GroupKey, _Group], np.ndarray]:
-        """The gradients present, grouped by (device, dtype, large on CPU), with their owners."""
-        if not self.sharded and self._plan and all(g is not None and not g.is_sparse for g in grads):
-            # Every parameter has a dense gradient (the usual case): dense gradients have
-            # their parameter's device, dtype and size, so the grouping is known in advance.
-            planned = {key: ([grads[j] for j in owners], owners) for key, owners in self._plan}
-            return planned, self._plan_present
-        present = np.zeros(self.n_layers, dtype=np.int64)
-        groups: dict[_GroupKey, _Group] = defaultdict(lambda: ([], []))
-        for j, g in enumerate(grads):
-            if g is None:
-                continue
-            if self.sharded and hasattr(g, "to_local"):
-                g = g.to_local()  # FSDP2/DTensor: this rank's shard; partials summed at flush
-            if g.is_sparse:
-                g = g.coalesce()._values()
-            if g.numel() == 0:
-                continue
-            group_grads, owners = groups[_group_key(g)]
-            group_grads.append(g)
-            owners.append(j)
-            present[self.param_layer[j]] += 1
-        return groups, present
+    def reduce(self, grads: list[torch.Tensor], rows: StepRows, cpu: "_CpuSlots | None") -> None:
+        """Fill ``rows`` (this group's columns) for ``grads``; ``cpu``: result slots of the CPU path."""
+        if cpu is not None:  # CPU: float32 into host slots, checked on the host
+            sq, _, _ = cpu.head(len(grads))
+            torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32), out=sq)
+            sq.square_()
+            rows.sq.copy_(sq)
+            cpu.fix(grads, rows)
+            if rows.max is not None:
+                rows.max.copy_(_cpu_abs_max(grads))
+            return
+        torch.stack(torch._foreach_norm(grads, 2, dtype=self.acc_dtype), out=rows.sq)
+        rows.sq.square_()
+        rows.nonfinite.copy_(nonfinite_counts(grads))
+        if rows.max is not None:
+            torch.stack(torch._foreach_norm(grads, _INF, dtype=self.acc_dtype), out=rows.max)
 
-    def _record(
-        self, sumsq_row: torch.Tensor, max_row: torch.Tensor, nonfinite_row: torch.Tensor
-    ) -> np.ndarray:
-        groups, present = self._groups([p.grad for p in self.params])
-        device = sumsq_row.device
-        for (grad_device, dtype, large), (grads, owners) in groups.items():
-            key = tuple(owners)  # the planned groups' owners are tuples already: no copy
-            index = self._owner_layers.get(key, lambda: [self.param_layer[j] for j in key])
-            if grad_device.type == "cpu":
-                k = len(grads)
-                if large and dtype == torch.float32:
-                    sq, mx = self._cpu_large_float32(grads)
-                else:
-                    sq = torch.stack(_sq_norms(grads), out=self._head(k)[0])  # float32 already
-                    mx = _abs_max(grads)
-                    if mx.dtype != torch.float32:
-                        mx = mx.to(torch.float32)
-                bad = np.flatnonzero(~np.isfinite(self._cpu_sq_view[:k]))
-                if len(bad):
-                    counts = torch.zeros(k, dtype=torch.float32)
-                    counts[bad] = _nonfinite_counts([grads[b] for b in bad])
-                    nonfinite_row.index_add_(0, index, counts.to(device))
-                if device.type != "cpu":  # CPU gradients, buffer elsewhere (a split model)
-                    sq, mx = sq.to(device), mx.to(device)
-            else:
-                sq = torch.stack(_sq_norms(grads)).to(device=device, dtype=torch.float32)
-                nf = _nonfinite_counts(grads).to(device=device, dtype=torch.float32)
-                nonfinite_row.index_add_(0, index, nf)
-                mx = _abs_max(grads).to(device=device, dtype=torch.float32)
-            sumsq_row.index_add_(0, index, sq)
-            max_row.scatter_reduce_(0, index, mx, "amax", include_self=True)
-        return present
 
-    def _cpu_large_float32(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sums of squares, max |g|) of large float32 CPU gradients: one BLAS dot and one aminmax each.
+def _cpu_abs_max(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor max |g| of small CPU tensors (the CPU inf-norm kernel is slow)."""
+    if hasattr(torch, "_foreach_max"):
+        return torch.stack(torch._foreach_max(torch._foreach_abs(grads)))
+    return torch.stack([g.abs().max() for g in grads])
 
-        On the CPU these beat the foreach kernels (the inf-norm kernel is ~8x slower
-        than aminmax); aminmax goes first because it splits the tensor across the
-        intra-op threads and leaves it in cache for the dot.
-        """
-        for (sq, lo, hi), g in zip(self._slots, grads):
+
+class CpuBlasStats:
+    """CPU float32 tensors of at least ``CPU_LARGE`` elements: one BLAS dot and one aminmax each.
+
+    ``aminmax`` goes first: it splits the tensor across the intra-op threads and
+    leaves it in cache for the dot.
+    """
+
+    name = "cpu-blas"
+
+    def reduce(self, grads: list[torch.Tensor], rows: StepRows, cpu: "_CpuSlots") -> None:
+        """Fill ``rows`` (this group's columns) for ``grads``."""
+        with_max = rows.max is not None
+        for (sq, lo, hi), g in zip(cpu.slots, grads):
             flat = g.reshape(-1)
-            torch.aminmax(flat, out=(lo, hi))
+            if with_max:
+                torch.aminmax(flat, out=(lo, hi))
             torch.dot(flat, flat, out=sq)
-        sq, lo, hi = self._head(len(grads))
-        return sq, torch.maximum(hi, lo.neg())
+        sq, lo, hi = cpu.head(len(grads))
+        rows.sq.copy_(sq)
+        cpu.fix(grads, rows)
+        if with_max:
+            rows.max.copy_(torch.maximum(hi, lo.neg()))
 
-    def _head(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The first ``k`` slots of the sums of squares, minima and maxima."""
+
+class _CpuSlots:
+    """Preallocated float32 result slots for CPU groups, and the host-side check of their sums."""
+
+    def __init__(self, size: int) -> None:
+        self.sq = torch.zeros(size, dtype=torch.float32)
+        self.lo = torch.zeros(size, dtype=torch.float32)
+        self.hi = torch.zeros(size, dtype=torch.float32)
+        self.sq_host = self.sq.numpy()  # shares memory: reading it is a plain memory read
+        self.slots = list(zip(self.sq.unbind(), self.lo.unbind(), self.hi.unbind()))
+        self._heads: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def head(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         heads = self._heads.get(k)
         if heads is None:  # slicing is an op per call; the group sizes repeat
-            heads = self._heads[k] = (self._cpu_sq[:k], self._cpu_lo[:k], self._cpu_hi[:k])
+            heads = self._heads[k] = (self.sq[:k], self.lo[:k], self.hi[:k])
         return heads
 
+    def fix(self, grads: list[torch.Tensor], rows: StepRows) -> None:
+        """Where a float32 sum of squares is not finite: count the non-finite elements exactly,
+        and for a finite gradient whose squares overflowed float32, write its float64 sum."""
+        bad = np.flatnonzero(~np.isfinite(self.sq_host[: len(grads)]))
+        if not len(bad):
+            return
+        counts = nonfinite_counts([grads[b] for b in bad]).tolist()
+        for b, count in zip(bad.tolist(), counts):
+            rows.nonfinite[b] = count
+            if count == 0:
+                norm = torch.linalg.vector_norm(grads[b].reshape(-1), dtype=torch.float64)
+                rows.sq[b] = norm.to(rows.sq.dtype).square()
 
-def _group_key(tensor: torch.Tensor) -> _GroupKey:
-    return (tensor.device, tensor.dtype, tensor.device.type == "cpu" and tensor.numel() >= _CPU_LARGE)
+
+class ParamStats:
+    """Per-tensor sum of squares, max |g| and non-finite count of the layers' parameter gradients."""
+
+    def __init__(self, layers: list[LayerSpec], device: torch.device, world_size: int = 1) -> None:
+        params: list[torch.nn.Parameter] = []
+        owner: list[int] = []
+        for index, layer in enumerate(layers):
+            for p in layer.params:
+                params.append(p)
+                owner.append(index)
+        self.n_layers = len(layers)
+        self.world_size = max(int(world_size), 1)
+        self.sharded = any(is_dtensor(p) for p in params)
+        self.device = device
+        self._foreach = ForeachStats(torch.float32 if device.type == "mps" else torch.float64)
+        self._blas = CpuBlasStats()
+        # Columns ordered by group (device, dtype, strategy): each group a contiguous slice.
+        keys = [_group_key(p) for p in params]
+        order = sorted(range(len(params)), key=lambda j: (keys[j] is None, str(keys[j]), j))
+        self.params = [params[j] for j in order]
+        self.param_layer = np.array([owner[j] for j in order], dtype=np.int64)
+        self.numel = np.array([_global_numel(p) for p in self.params], dtype=np.int64)
+        self._groups: list[tuple[tuple, slice]] = []
+        start = 0
+        ordered_keys = [keys[j] for j in order]
+        for j in range(1, len(self.params) + 1):
+            if j == len(self.params) or ordered_keys[j] != ordered_keys[start]:
+                self._groups.append((ordered_keys[start], slice(start, j)))
+                start = j
+        cpu_sizes = [s.stop - s.start for key, s in self._groups if key is not None and key[0].type == "cpu"]
+        self._slots = _CpuSlots(max(cpu_sizes, default=0))
+        self._weights: dict[tuple, torch.Tensor] = {}
+
+    @property
+    def n_params(self) -> int:
+        return len(self.params)
+
+    def strategy_of(self, column: int) -> str:
+        """The name of the strategy that reduces column ``column`` when its gradient is dense."""
+        for key, cols in self._groups:
+            if cols.start <= column < cols.stop:
+                return self._blas.name if key is not None and key[2] else self._foreach.name
+        raise IndexError(column)
+
+    def record(self, rows: StepRows) -> np.ndarray:
+        """Write this step's per-tensor partials into ``rows``; returns 1 where a gradient was present."""
+        with torch.no_grad():  # gradients made with create_graph=True require grad themselves
+            return self._record(rows)
+
+    def _record(self, rows: StepRows) -> np.ndarray:
+        present = np.zeros(len(self.params), dtype=np.int64)
+        weights: list[float] = []
+        for key, cols in self._groups:
+            grads = [p.grad for p in self.params[cols]]
+            if key is not None and all(g is not None and not g.is_sparse for g in grads):
+                present[cols] = 1
+                self._reduce(key, grads, rows.part(cols))
+                continue
+            # Some gradients missing, sparse or sharded: reduce those present one by one.
+            for offset, g in enumerate(grads):
+                if g is None:
+                    continue
+                column = cols.start + offset
+                weight = 1.0
+                if is_dtensor(g):
+                    g, weight = local_piece(g, self.world_size)
+                    weights.append((column, weight))  # type: ignore[arg-type]
+                if g.is_sparse:
+                    g = g.coalesce()._values()
+                present[column] = 1
+                if g.numel() == 0:
+                    continue
+                self._reduce(_group_key(g, dense=True), [g], rows.part(slice(column, column + 1)))
+        if self.sharded:
+            self._apply_weights(rows, weights)
+        return present
+
+    def _reduce(self, key: tuple, grads: list[torch.Tensor], rows: StepRows) -> None:
+        device, _, large = key
+        on_cpu = device.type == "cpu"
+        slots = self._slots if on_cpu else None
+        if on_cpu and len(grads) > len(self._slots.slots):
+            self._slots = slots = _CpuSlots(len(grads))
+        if large:
+            self._blas.reduce(grads, rows, slots)  # type: ignore[arg-type]
+        else:
+            self._foreach.reduce(grads, rows, slots)
+
+    def _apply_weights(self, rows: StepRows, weights: list) -> None:
+        """Weight this rank's sums so that one world-wide sum counts each distinct piece once."""
+        key = tuple(weights)
+        tensor = self._weights.get(key)
+        if tensor is None:
+            values = np.full(len(self.params), 1.0 / self.world_size)
+            for column, weight in weights:
+                values[column] = weight
+            tensor = torch.as_tensor(values, dtype=rows.sq.dtype).to(rows.sq.device)
+            if len(self._weights) < 16:
+                self._weights[key] = tensor
+        rows.sq.mul_(tensor)
+        rows.nonfinite.mul_(tensor)
+
+    def drop_references(self) -> None:
+        """Forget the parameters (close())."""
+        self.params = []
+        self._groups = []
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch < 2.4, or no distributed support
-        return False
-    return isinstance(tensor, DTensor)
+def _group_key(p: torch.Tensor, dense: bool = False) -> tuple | None:
+    """(device, dtype, large CPU float32) of a dense local tensor; None for DTensors (reduced one by one)."""
+    if not dense and is_dtensor(p):
+        return None
+    large = p.device.type == "cpu" and p.dtype == torch.float32 and p.numel() >= CPU_LARGE
+    return (p.device, p.dtype, large)
+
+
+def _global_numel(p: torch.Tensor) -> int:
+    return int(p.numel())  # a DTensor's numel is that of the full tensor

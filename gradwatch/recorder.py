@@ -1,7 +1,10 @@
-"""Turns hook calls and gradients into on-device partial statistics.
+"""Turns hook calls and gradients into on-device partial statistics, in states declared at attach.
 
-Nothing here reads a value back to the host: every op is enqueued on the
-training device and written into the ``StatBuffer`` row of the current step.
+Nothing here reads a device value back to the host between flushes: every op
+is enqueued on the training device and written into the ``StatBuffer`` row of
+the current step. The layout (which state, which shape, which reduction) is
+fixed in ``Recorder.__init__`` from the layers, their parameters and their
+declared units, so it is the same on every rank whatever each rank runs.
 """
 
 from __future__ import annotations
@@ -15,20 +18,26 @@ import torch
 from .buffer import StatBuffer
 from .devices import BoundedCache, IndexCache
 from .layers import LayerSpec
-from .param_stats import ParamStats
+from .param_stats import ParamStats, StepRows
+from .window import Window
 
 log = logging.getLogger("gradwatch")
 
-# Step-level states, one row per step of the window ([flush_every, layers]).
-PARAM_SUMSQ = "param_sumsq"
-PARAM_MAX = "param_max"
-PARAM_NONFINITE = "param_nonfinite"
-OUT_SUMSQ = "out_sumsq"
-FWD_NONFINITE = "fwd_nonfinite"
-UNIT_SUMSQ = "unit_sumsq"  # per unit, over the window: zero exactly for dead units
+# Per-step states: one row per step of the window.
+PARAM_SQ = "param_sq"  # [F, P] per-tensor sum of squares of the parameter gradient
+PARAM_MAX = "param_max"  # [F, P] per-tensor max |g|
+PARAM_NONFINITE = "param_nonfinite"  # [F, P] per-tensor number of NaN/Inf elements
+PARAM_PRESENT = "param_present"  # host [F, P] ranks on which the tensor had a gradient
+OUT_SQ = "out_sq"  # [F, L] sum of squares of the output gradients, all calls
+OUT_CALLS = "out_calls"  # host [F, L] output-gradient calls seen
+FWD_SUM = "fwd_sum"  # [F, L] sum of the outputs: non-finite exactly when an output was
+STEP_FAILED = "step_failed"  # host [F] ranks on which recording this step failed
+# Window states.
+UNIT_ACC = "unit_acc"  # [U] per unit: zero exactly for dead units
+ROWS_SEEN = "rows_seen"  # host [L] output-gradient rows (samples x positions) judged for dead units
 
-# Fold pending output-gradient norms into the buffer once this many are queued,
-# so that forward/backward without step() cannot grow memory.
+# Fold queued hook results into the buffer once this many are queued, so that
+# forward/backward without step() cannot grow memory.
 _MAX_PENDING_PER_LAYER = 16
 
 
@@ -42,8 +51,10 @@ class Recorder:
         device: torch.device,
         scale_source: Callable[[], torch.Tensor | None],
         project_units: bool = True,
+        world_size: int = 1,
     ) -> None:
         self.layers = layers
+        self.names = [layer.name for layer in layers]
         self.flush_every = flush_every
         self.device = device
         self.active = True
@@ -53,55 +64,71 @@ class Recorder:
         self.project_units = project_units
         self._scale_source = scale_source
         n = len(layers)
-        self.buffer = StatBuffer(device)
-        self.param_stats = ParamStats(layers, device)
+        self.param_stats = ParamStats(layers, device, world_size)
+        p = self.param_stats.n_params
+        self.unit_count = np.array([layer.units for layer in layers], dtype=np.int64)
+        self.unit_offset = np.concatenate([[0], np.cumsum(self.unit_count)[:-1]]).astype(np.int64)
+        self.param_numel = np.zeros(n, dtype=np.int64)
+        np.add.at(self.param_numel, self.param_stats.param_layer, self.param_stats.numel)
+
+        buffer = self.buffer = StatBuffer(device)
         # Parameter gradients are identical on every data-parallel rank after
-        # backward; sharded ones (FSDP2 DTensors) are partial sums and maxima.
-        param_reduce = "sum" if self.param_stats.sharded else "none"
-        max_reduce = "max" if self.param_stats.sharded else "none"
-        self.buffer.add_state(PARAM_SUMSQ, (flush_every, n), param_reduce)  # type: ignore[arg-type]
-        self.buffer.add_state(PARAM_MAX, (flush_every, n), max_reduce)  # type: ignore[arg-type]
-        self.buffer.add_state(PARAM_NONFINITE, (flush_every, n), param_reduce)  # type: ignore[arg-type]
-        # Output gradients differ per rank: combined by sum like micro-batches.
-        self.buffer.add_state(OUT_SUMSQ, (flush_every, n), "sum")
-        self.buffer.add_state(FWD_NONFINITE, (flush_every, n), "sum")
-        self.buffer.add_state(UNIT_SUMSQ, (0,), "sum")
+        # backward; sharded ones (DTensors) are partial sums and maxima, weighted so
+        # that a world-wide sum counts each distinct piece once (see sharding.py).
+        sharded = self.param_stats.sharded
+        param_sum, param_max = ("sum", "max") if sharded else ("none", "none")
+        F = flush_every
+        buffer.add_state(PARAM_SQ, (F, p), param_sum)
+        buffer.add_state(PARAM_MAX, (F, p), param_max)
+        buffer.add_state(PARAM_NONFINITE, (F, p), param_sum)
+        buffer.add_state(PARAM_PRESENT, (F, p), param_sum, host=True)
+        # Output gradients and forward outputs differ per rank: combined by sum, like micro-batches.
+        buffer.add_state(OUT_SQ, (F, n), "sum")
+        buffer.add_state(OUT_CALLS, (F, n), "sum", host=True)
+        buffer.add_state(FWD_SUM, (F, n), "sum")
+        buffer.add_state(STEP_FAILED, (F,), "sum", host=True)
+        buffer.add_state(UNIT_ACC, (int(self.unit_count.sum()),), "sum")
+        buffer.add_state(ROWS_SEEN, (n,), "sum", host=True)
+        buffer.freeze()
+        self._dtype = buffer.dtype
+        self._host = buffer.host
 
         self.slot = 0
-        # Host-side facts known without reading the device.
-        self.out_calls = np.zeros((flush_every, n), dtype=np.int64)
-        self.param_present = np.zeros((flush_every, n), dtype=np.int64)
         self.forward_order: list[int] = []
         self.backward_order: list[int] = []
         self._backward_seen: set[int] = set()
         # (forward order, backward order) of each step of the window, for naming
         # the origin of non-finite values.
         self.step_orders: list[tuple[list[int], list[int]]] = []
-        self.unit_offset: list[int | None] = [None] * n
-        self.unit_count: list[int] = [0] * n
         self._fwd_sums: list[torch.Tensor] = []
         self._fwd_layer: list[int] = []
-        self._pending: list[torch.Tensor] = []  # per-unit dead-test vectors
-        self._pending_sq: list[torch.Tensor] = []  # sums of squares
-        self._pending_layer: list[int] = []
+        self._pending_layer: list[int] = []  # the layer of each queued output-gradient call
+        self._sq = _CallSums(device, _MAX_PENDING_PER_LAYER * n + 1)
+        self._units: list[torch.Tensor] = []  # per-unit dead-test vectors
+        self._units_layer: list[int] = []
         self._weights = _ProjectionWeights()
         # key: the layer of each queued call, in order
         self._call_layers = IndexCache(device)  # -> that layer index per call
         self._call_units = IndexCache(device)  # -> the buffer offsets of each call's units
         self._call_counts = BoundedCache()  # -> calls per layer (np.add.at costs ~70 us a call)
-        self._grad_hooks: dict[tuple[int, int], Callable] = {}
+        self._grad_hooks: dict[tuple[int, int, int], Callable] = {}
         self._failures: set[str] = set()
+        self._mismatch_logged: set[int] = set()
+        rows = [StepRows(buffer.row(PARAM_SQ, t), buffer.row(PARAM_MAX, t), buffer.row(PARAM_NONFINITE, t))
+                for t in range(F)]  # fmt: skip
+        self._param_rows = rows
 
     # ----------------------------------------------------------------- hooks
     def on_forward(self, index: int, out: torch.Tensor, extra: bool = False) -> None:
         """Called by the forward hook of layer ``index`` with its output.
 
         ``extra``: a further tensor of a structured output (an RNN's h_n); it is
-        monitored only if it has the layer's units, else ignored.
+        monitored only if it has the layer's declared units, else ignored.
         """
+        layer = self.layers[index]
         if extra:
-            units = self.unit_count[index]
-            if out.ndim == 0 or units == 0 or out.shape[self.layers[index].unit_dim(out.ndim)] != units:
+            units = layer.units
+            if out.ndim == 0 or units == 0 or out.shape[layer.unit_dim(out.ndim)] != units:
                 return
         # sum(out) is non-finite exactly when the output holds a NaN/Inf (or overflows
         # float32, which is as alarming); fold() reduces the queued sums in one go.
@@ -115,55 +142,55 @@ class Recorder:
         if not extra and len(self.forward_order) < 4 * len(self.layers):
             self.forward_order.append(index)
         if out.requires_grad:
-            hook = self._grad_hooks.get((index, out.ndim))
+            units = int(out.shape[layer.unit_dim(out.ndim)]) if out.ndim else 1
+            hook = self._grad_hooks.get((index, out.ndim, units))
             if hook is None:
-                hook = self._make_grad_hook(index, out)
+                hook = self._make_grad_hook(index, out.ndim, units)
             out.register_hook(hook)
 
-    def _make_grad_hook(self, index: int, out: torch.Tensor) -> Callable:
+    def _make_grad_hook(self, index: int, ndim: int, units: int) -> Callable:
         layer = self.layers[index]
-        ndim = out.ndim
         unit_dim = layer.unit_dim(ndim)
-        units = int(out.shape[unit_dim]) if ndim else 1
-        if self.unit_offset[index] is None:
-            self._add_units(index, units)
-        elif self.unit_count[index] != units:
-            raise RuntimeError(
-                f"layer {layer.name} produced outputs with {units} and {self.unit_count[index]} units"
-            )
-        pending_sq, pending_units, pending_layer = self._pending_sq, self._pending, self._pending_layer
+        per_unit = layer.units > 0 and units == layer.units and ndim > 0
+        if layer.units > 0 and not per_unit and index not in self._mismatch_logged:
+            self._mismatch_logged.add(index)
+            log.info(
+                "gradwatch: layer %s produced an output with %d units in dim %d, not the %d its "
+                "parameters declare; its dead units are not judged for such calls",
+                layer.name, units, unit_dim, layer.units,
+            )  # fmt: skip
+        reduce = _output_grad_reducer(
+            ndim, unit_dim, units, self.project_units, self._weights, per_unit, self._dtype
+        )
+        pending_layer, units_list, units_layer = self._pending_layer, self._units, self._units_layer
+        call_sums = self._sq
+        rows_seen = self._host[ROWS_SEEN]
         limit = _MAX_PENDING_PER_LAYER * len(self.layers)
-        reduce = _output_grad_reducer(ndim, unit_dim, units, self.project_units, self._weights)
-
         device = self.device
 
         def grad_hook(grad: torch.Tensor) -> None:
             # Every op here runs once per layer call, right after a backward GEMM has
             # evicted the interpreter's working set: keep it to the two reductions.
             try:
-                sumsq, per_unit = reduce(grad)
-                if sumsq.device != device:  # a model spread over several devices
-                    sumsq = sumsq.to(device, non_blocking=True)
-                    per_unit = per_unit.to(device, non_blocking=True)
-                pending_sq.append(sumsq)
-                pending_units.append(per_unit)
+                norm, vector = reduce(grad, call_sums.slot(grad))
+                call_sums.add(grad, norm)
                 pending_layer.append(index)
-                if len(pending_layer) > limit:
+                if vector is not None:
+                    if vector.device != device:  # a model spread over several devices
+                        vector = vector.to(device, non_blocking=True)
+                    units_list.append(vector)
+                    units_layer.append(index)
+                    rows_seen[index] += grad.numel() // units
+                if len(pending_layer) >= limit:
                     self.fold()
             except Exception as exc:
                 self.hook_failed(layer.name, exc)
 
-        self._grad_hooks[(index, ndim)] = grad_hook
+        self._grad_hooks[(index, ndim, units)] = grad_hook
         return grad_hook
 
-    def _add_units(self, index: int, units: int) -> None:
-        total = self.buffer[UNIT_SUMSQ].numel()
-        self.unit_offset[index] = total
-        self.unit_count[index] = units
-        self.buffer.add_state(UNIT_SUMSQ, (total + units,), "sum")
-
     def hook_failed(self, where: str, exc: BaseException) -> None:
-        """A hook raised: warn once per layer and keep training going."""
+        """A hook raised: warn once per layer and kind of error, and keep training going."""
         key = f"{where}:{type(exc).__name__}"
         if key not in self._failures:
             self._failures.add(key)
@@ -178,20 +205,21 @@ class Recorder:
     # ------------------------------------------------------------------ step
     def fold(self) -> None:
         """Reduce the queued forward sums and output-gradient partials into the current step's row."""
+        slot = self.slot
         if self._fwd_sums:
             index = self._call_layers.get(tuple(self._fwd_layer))
             # The row accumulates the sums of the outputs: it is non-finite exactly where
-            # some call of the layer produced a NaN/Inf (or sums beyond float32, as alarming);
-            # read as such on the host at flush.
-            self.buffer.row(FWD_NONFINITE, self.slot).index_add_(0, index, torch.stack(self._fwd_sums))
+            # some call of the layer produced a NaN/Inf; read as such on the host at flush.
+            sums = torch.stack(self._fwd_sums).to(self._dtype)
+            self.buffer.row(FWD_SUM, slot).index_add_(0, index, sums)
             self._fwd_sums.clear()
             self._fwd_layer.clear()
-        if not self._pending:
+        if not self._pending_layer:
             return
-        pending, layers_of = self._pending, self._pending_layer
+        layers_of = self._pending_layer
         key = tuple(layers_of)
         n_layers = len(self.layers)
-        self.out_calls[self.slot] += self._call_counts.get(
+        self._host[OUT_CALLS][slot] += self._call_counts.get(
             key, lambda: np.bincount(np.asarray(key, dtype=np.int64), minlength=n_layers)
         )
         seen = self._backward_seen
@@ -199,67 +227,166 @@ class Recorder:
             if i not in seen:
                 seen.add(i)
                 self.backward_order.append(i)
-        call_layer_idx = self._call_layers.get(key)
-        unit_idx = self._call_units.get(key, lambda: self._unit_positions(key))
-        squares = torch.stack(self._pending_sq)
+        squares = self._sq.take(len(layers_of), self._dtype)
         scale = self._scale_source()
         if scale is not None:
-            # The per-unit vectors only answer "zero or not": the scale does not matter there.
-            squares.div_(scale.to(squares.dtype).square())
-        # abs: the projections of separate calls must not cancel each other out
-        self.buffer[UNIT_SUMSQ].index_add_(0, unit_idx, torch.cat(pending).abs_())
-        self.buffer.row(OUT_SUMSQ, self.slot).index_add_(0, call_layer_idx, squares)
-        pending.clear()
-        self._pending_sq.clear()
+            squares.div_(scale.to(self._dtype).square())
+        self.buffer.row(OUT_SQ, slot).index_add_(0, self._call_layers.get(key), squares)
         layers_of.clear()
+        if self._units:
+            unit_key = tuple(self._units_layer)
+            unit_idx = self._call_units.get(unit_key, lambda: self._unit_positions(unit_key))
+            vectors = torch.cat(self._units).to(self._dtype)
+            if self.project_units:
+                vectors.abs_()  # the projections of separate calls must not cancel each other out
+            elif scale is not None:
+                # per-unit sums of squares are compared with dead_eps: unscale them first
+                vectors.div_(scale.to(self._dtype).square())
+            self.buffer[UNIT_ACC].index_add_(0, unit_idx, vectors)
+            self._units.clear()
+            self._units_layer.clear()
 
     def _unit_positions(self, key: tuple[int, ...]) -> np.ndarray:
-        positions = []
-        for layer in key:
-            offset = self.unit_offset[layer]
-            assert offset is not None
-            positions.append(np.arange(offset, offset + self.unit_count[layer]))
-        return np.concatenate(positions)
+        return np.concatenate([np.arange(self.unit_offset[i], self.unit_offset[i] + self.unit_count[i]) for i in key])
 
     def record_step(self, params_scaled: bool = False) -> None:
-        """Write this step's statistics into the current row; no host sync.
+        """Write this step's statistics into the current row and advance; no host sync.
 
         ``params_scaled``: the parameter gradients still carry the loss scale
         (an optimizer that unscales inside its own step, e.g. fused Adam).
+        The row advances even when recording fails, so that every rank flushes
+        at the same step; a failed row is marked and left out of the window.
         """
+        slot = self.slot
+        try:
+            self.fold()
+            rows = self._param_rows[slot]
+            present = self.param_stats.record(rows)
+            scale = self._scale_source() if params_scaled else None
+            if scale is not None:
+                scale = scale.to(self._dtype)
+                rows.sq.div_(scale.square())
+                if rows.max is not None:
+                    rows.max.div_(scale)
+            self._host[PARAM_PRESENT][slot] = present
+        except Exception:
+            self._host[STEP_FAILED][slot] = 1
+            raise
+        finally:
+            self.step_orders.append((_first_seen(self.forward_order), self.backward_order))
+            self.forward_order = []
+            self.backward_order = []
+            self._backward_seen = set()
+            self.discard_pending()
+            self.slot = slot + 1
+
+    def mark_window_failed(self) -> None:
+        """Mark every step of the window as failed (a failure before the flush's collective)."""
+        self._host[STEP_FAILED][:] = 1
+
+    # ----------------------------------------------------------------- flush
+    def prepare_flush(self) -> None:
+        """Fold what is queued and copy the host counts into the buffer, ready for the collective."""
         self.fold()
-        row = self.slot
-        sumsq_row, max_row = self.buffer.row(PARAM_SUMSQ, row), self.buffer.row(PARAM_MAX, row)
-        present = self.param_stats.record(sumsq_row, max_row, self.buffer.row(PARAM_NONFINITE, row))
-        scale = self._scale_source() if params_scaled else None
-        if scale is not None:
-            scale = scale.to(torch.float32)
-            sumsq_row.div_(scale.square())
-            max_row.div_(scale)
-        self.param_present[row] = present
-        # The forward row is read as "non-finite or not" on the host at flush
-        # (window.build_window): no per-step op here.
-        self.step_orders.append((_first_seen(self.forward_order), self.backward_order))
-        self.forward_order = []
-        self.backward_order = []
-        self._backward_seen = set()
-        self.slot += 1
+        self.buffer.load_host_states()
+
+    def snapshot(self, steps: list[int], dead_eps: float, scaler_in_use: bool) -> Window:
+        """The window on the host, decoded from the (reduced) buffer: one device-to-host copy."""
+        host = self.buffer.to_host()
+        return build_window(host, steps, self, dead_eps, scaler_in_use)
 
     def reset_window(self) -> None:
         """Start an empty window (after a flush)."""
         self.buffer.zero_()
-        self.out_calls[:] = 0
-        self.param_present[:] = 0
         self.step_orders = []
         self.slot = 0
 
     def discard_pending(self) -> None:
-        """Forget hook results that no step() will claim (e.g. on close)."""
-        self._pending.clear()
-        self._pending_sq.clear()
+        """Forget hook results that no step() will claim."""
         self._pending_layer.clear()
+        self._sq.clear()
+        self._units.clear()
+        self._units_layer.clear()
         self._fwd_sums.clear()
         self._fwd_layer.clear()
+
+    def drop_references(self) -> None:
+        """Forget the model (close()): modules, parameters and the hooks that hold them."""
+        self.active = False
+        self.discard_pending()
+        self._grad_hooks.clear()
+        self.layers = []
+        self.param_stats.drop_references()
+
+
+def build_window(host: dict[str, np.ndarray], steps: list[int], rec: Recorder, dead_eps: float,
+                 scaler_in_use: bool) -> Window:  # fmt: skip
+    """Decode the host copy of the buffer into a per-layer ``Window``."""
+    n = len(steps)
+    ps = rec.param_stats
+    n_layers = len(rec.names)
+    ok = host[STEP_FAILED][:n] == 0
+    present = host[PARAM_PRESENT][:n] > 0
+    owner = ps.param_layer
+
+    def per_layer(values: np.ndarray, how: str) -> np.ndarray:
+        out = np.zeros((n, n_layers)) if how == "sum" else np.full((n, n_layers), -np.inf)
+        if how == "sum":
+            np.add.at(out.T, owner, values.T)
+        else:
+            np.maximum.at(out.T, owner, values.T)
+        return out
+
+    with np.errstate(invalid="ignore"):
+        sq_t = np.where(present, host[PARAM_SQ][:n], 0.0)
+        has_grad = (per_layer(present.astype(np.float64), "sum") > 0) & ok[:, None]
+        sumsq = per_layer(sq_t, "sum")
+        grad_norm = np.where(has_grad, np.sqrt(sumsq), np.nan)
+        max_t = np.where(present, host[PARAM_MAX][:n], -np.inf)
+        grad_max = np.where(has_grad, per_layer(max_t, "max"), np.nan)
+        counts = np.rint(np.where(present, host[PARAM_NONFINITE][:n], 0.0))
+        nonfinite = np.where(has_grad, per_layer(counts, "sum"), 0.0)
+        seen_out = (host[OUT_CALLS][:n] > 0) & ok[:, None]
+        out_grad_norm = np.where(seen_out, np.sqrt(host[OUT_SQ][:n]), np.nan)
+        global_norm = np.sqrt(np.where(has_grad, sumsq, 0.0).sum(axis=1))
+        global_norm = np.where(has_grad.any(axis=1), global_norm, np.nan)
+    fwd_nonfinite = ~np.isfinite(host[FWD_SUM][:n]) & ok[:, None]
+
+    units = host[UNIT_ACC]
+    dead = np.full(n_layers, np.nan)
+    rows_seen = host[ROWS_SEEN].astype(np.int64)
+    for i in range(n_layers):
+        count = rec.unit_count[i]
+        if count == 0 or rows_seen[i] == 0:
+            continue
+        offset = rec.unit_offset[i]
+        # Per unit: a non-negative accumulator that is zero exactly when the unit's
+        # output gradient was zero for every sample (its L2 norm when dead_eps > 0).
+        unit_value = np.sqrt(np.abs(units[offset : offset + count]))
+        dead[i] = float(np.mean(unit_value <= dead_eps))  # NaN (non-finite) is not dead
+
+    skipped = None
+    if scaler_in_use:
+        # GradScaler skips exactly the steps whose gradients hold an Inf/NaN.
+        skipped = ((nonfinite.sum(axis=1) > 0) | (~np.isfinite(global_norm) & has_grad.any(axis=1))) & ok
+    return Window(
+        steps=list(steps),
+        layers=list(rec.names),
+        grad_norm=grad_norm,
+        grad_max=grad_max,
+        nonfinite=nonfinite,
+        out_grad_norm=out_grad_norm,
+        fwd_nonfinite=fwd_nonfinite,
+        has_grad=has_grad,
+        out_seen=seen_out,
+        unit_counts=rec.unit_count.copy(),
+        param_numel=rec.param_numel.copy(),
+        dead_fraction=dead,
+        global_grad_norm=global_norm,
+        step_orders=list(rec.step_orders[:n]),
+        skipped=skipped,
+        rows_seen=rows_seen,
+    )
 
 
 def _first_seen(order: list[int]) -> list[int]:
@@ -267,41 +394,133 @@ def _first_seen(order: list[int]) -> list[int]:
     return [i for i in order if not (i in seen or seen.add(i))]
 
 
-def _output_grad_reducer(
-    ndim: int, unit_dim: int, units: int, project: bool, weights: "_ProjectionWeights"
-) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """A function mapping an output gradient to (sum of squares, per-unit dead-test vector).
+class _CallSums:
+    """Where the output-gradient hooks put each call's sum of squares, in call order.
 
-    The per-unit vector is non-negative and zero exactly for the units whose
-    gradient is zero for every sample. Every variant reads the gradient in
-    single contiguous passes without a gradient-sized temporary where it can:
-    a strided reduction over the batch dim is ~5-25x slower on the CPU, and
-    ``(g * g).sum(0)`` allocates and writes a copy of the gradient first.
+    CPU buffer: each call writes a float32 slot of one preallocated tensor whose
+    memory numpy shares; the hook checks its slot on the host (a plain memory
+    read) and, for a finite gradient whose squares overflowed float32, keeps the
+    float64 sum aside. Accelerator buffer: each call's norm is computed in
+    float64 (no more than the memory read costs there) and squared at fold.
+    """
+
+    def __init__(self, device: torch.device, capacity: int) -> None:
+        self.cpu = device.type == "cpu"
+        self.device = device
+        self._slots = torch.zeros(capacity if self.cpu else 0, dtype=torch.float32)
+        self._host = self._slots.numpy()
+        self._views = list(self._slots.unbind())
+        self._norms: list[torch.Tensor] = []
+        self._exact: dict[int, torch.Tensor] = {}
+        self._heads: dict[int, torch.Tensor] = {}
+        self.count = 0
+        self.warned_device = False
+
+    def slot(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """The 0-d float32 slot for this call (CPU buffer, CPU gradient), else None."""
+        if self.cpu and grad.device.type == "cpu":
+            return self._views[self.count]
+        return None
+
+    def add(self, grad: torch.Tensor, norm: torch.Tensor | None) -> None:
+        """Account for the call just reduced: ``norm`` is its float64 norm when it had no slot."""
+        if norm is None:
+            if not np.isfinite(self._host[self.count]):
+                exact = torch.linalg.vector_norm(grad.detach().reshape(-1), dtype=torch.float64)
+                self._exact[self.count] = exact.square()
+        elif self.cpu:  # a gradient on another device than the buffer (attached before .to(device))
+            if not self.warned_device:
+                self.warned_device = True
+                log.warning(
+                    "gradwatch: the monitor's buffer is on the CPU but a layer's gradients are on %s, "
+                    "which costs a host sync per call; create the monitor after moving the model "
+                    "to its device", grad.device,
+                )  # fmt: skip
+            self._views[self.count].zero_()
+            self._exact[self.count] = norm.to("cpu", torch.float64).square()
+        else:
+            self._norms.append(norm if norm.device == self.device else norm.to(self.device, non_blocking=True))
+        self.count += 1
+
+    def take(self, k: int, dtype: torch.dtype) -> torch.Tensor:
+        """The ``k`` queued sums of squares as one tensor of ``dtype``; empties the queue."""
+        if not self.cpu:
+            squares = torch.stack(self._norms).to(dtype).square_()
+        else:
+            head = self._heads.get(k)
+            if head is None:
+                head = self._heads[k] = self._slots[:k]
+            squares = head.to(dtype, copy=True)
+            for i, exact in self._exact.items():
+                squares[i] = exact.to(dtype)
+        self.clear()
+        return squares
+
+    def clear(self) -> None:
+        self._norms.clear()
+        self._exact.clear()
+        self.count = 0
+
+
+Reducer = Callable[[torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor | None, torch.Tensor | None]"]
+
+
+def _output_grad_reducer(
+    ndim: int, unit_dim: int, units: int, project: bool, weights: "_ProjectionWeights", per_unit: bool, acc: torch.dtype
+) -> Reducer:
+    """``reduce(grad, slot) -> (norm, per_unit_vector)`` for one layer's output gradients.
+
+    The sum of squares goes into ``slot`` (a 0-d float32 CPU tensor) when one is
+    given, and ``norm`` is None; without a slot, ``norm`` is the gradient's norm
+    accumulated in ``acc`` (float64). The per-unit vector (None when the layer's
+    units are not judged) is zero exactly for the units whose gradient is zero
+    for every sample. Every variant reads the gradient in single contiguous
+    passes without a gradient-sized temporary where it can: a strided reduction
+    over the batch dim is ~5-25x slower on the CPU, and ``(g * g).sum(0)``
+    allocates and writes a copy of the gradient first.
     """
     f32 = torch.float32
     norm = torch.linalg.vector_norm
     other_dims = tuple(d for d in range(ndim) if d != unit_dim)
 
-    def general(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def general(g: torch.Tensor, slot: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         # Any strides and dtypes; per-unit sums of squares.
         g = g.detach()
         if g.dtype != f32:
             g = g.to(f32)  # fp16 squares overflow; accumulate in fp32
-        per_unit = (g * g).sum(other_dims) if other_dims else g * g
-        return per_unit.sum(), per_unit.reshape(-1)
+        squares = g * g
+        vector = (squares.sum(other_dims) if other_dims else squares).reshape(-1) if per_unit else None
+        if slot is None:
+            return norm(g, dtype=acc), vector
+        torch.sum(vector if vector is not None else squares.reshape(-1), 0, out=slot)
+        return None, vector
 
-    if ndim <= 1:
-        return general
+    if ndim <= 1 or not per_unit:
+
+        def total_only(g: torch.Tensor, slot: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            if slot is None or not g.is_contiguous():
+                return general(g, slot) if per_unit else (_norm_or_slot(g, slot, acc), None)
+            if g.requires_grad:
+                g = g.detach()
+            flat = (g if g.dtype == f32 else g.to(f32)).view(-1)
+            torch.dot(flat, flat, out=slot)
+            return None, None
+
+        return total_only if not per_unit else general
 
     if unit_dim == 1 and ndim >= 3:  # (N, C, *spatial): one norm per (sample, channel) row
 
-        def channels(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def channels(g: torch.Tensor, slot: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
             if not g.is_contiguous():
-                return general(g)
+                return general(g, slot)
             n = g.shape[0]
             rows = norm(g.detach().reshape(n * units, -1), 2, 1, dtype=f32)
-            per_unit = rows.view(n, units).square_().sum(0)
-            return per_unit.sum(), per_unit
+            if slot is None:
+                total = norm(rows, dtype=acc)
+                return total, rows.view(n, units).square_().sum(0)
+            vector = rows.view(n, units).square_().sum(0)
+            torch.sum(vector, 0, out=slot)
+            return None, vector
 
         return channels
 
@@ -311,14 +530,14 @@ def _output_grad_reducer(
     dot, mv = torch.dot, torch.mv
     cached: list = [None, None]  # the row count and the weights last used (a layer keeps its device)
 
-    def last(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def last(g: torch.Tensor, slot: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         # (*, U): the sum of squares by one BLAS dot; the dead-unit test by one
         # matrix-vector product with fixed random positive weights: sum_m r_m g[m, u]
         # is 0 when the unit's gradient is 0 for every sample, and (but for an exact
         # floating-point cancellation against random weights) not otherwise. The
         # caller takes the absolute value once for all calls (Recorder.fold).
         if not g.is_contiguous():
-            return general(g)
+            return general(g, slot)
         if g.requires_grad:  # only with backward(create_graph=True)
             g = g.detach()
         if g.dtype != f32:
@@ -328,9 +547,21 @@ def _output_grad_reducer(
         if n != cached[0]:
             cached[0], cached[1] = n, weights.get(n, rows.device)
         flat = g.view(-1)
-        return dot(flat, flat), mv(rows.t(), cached[1])
+        if slot is None:
+            return norm(flat, dtype=acc), mv(rows.t(), cached[1])
+        dot(flat, flat, out=slot)
+        return None, mv(rows.t(), cached[1])
 
     return last
+
+
+def _norm_or_slot(g: torch.Tensor, slot: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor | None:
+    g = g.detach()
+    if slot is None:
+        return torch.linalg.vector_norm(g, dtype=acc)
+    flat = g.to(torch.float32).reshape(-1)
+    torch.dot(flat, flat, out=slot)
+    return None
 
 
 class _ProjectionWeights:

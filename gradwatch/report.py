@@ -11,12 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .sinks.tensorboard import ALERTS_TAG, LAYERS_TAG, PREFIX
-
-_ALERT_RE = re.compile(
-    r"\[gradwatch\] (?P<kind>\w+) at step (?P<step>-?\d+) in (?:layer (?P<layer>.+?)|the whole model): "
-    r"value (?P<value>\S+), threshold (?P<threshold>[^\s(]+)"
-)
+from .sinks.tensorboard import ALERTS_TAG, LAYERS_TAG, PREFIX, parse_alerts_markdown
 
 
 class ReportError(Exception):
@@ -87,20 +82,8 @@ def _is_text_tag(tag: str, base: str) -> bool:
 def _summarise(
     run: str, scalars: dict[str, dict[int, float]], texts: list[str], layer_order: list[str]
 ) -> RunReport:
-    alerts = []
-    for text in texts:
-        m = _ALERT_RE.search(text)
-        if m:
-            alerts.append(
-                {
-                    "kind": m["kind"],
-                    "layer": m["layer"] or "",
-                    "step": int(m["step"]),
-                    "value": float(m["value"]),
-                    "threshold": float(m["threshold"]),
-                    "message": text,
-                }
-            )
+    # Structured alert records (JSON written beside the table), never the message wording.
+    alerts = [a for text in texts for a in parse_alerts_markdown(text)]
     alerts.sort(key=lambda a: a["step"])
     norm_prefix = f"{PREFIX}/grad_norm/"
     dead_prefix = f"{PREFIX}/dead_fraction/"

@@ -349,38 +349,4 @@ def test_hundred_attach_close_cycles_leave_nothing_behind():
     assert out._backward_hooks is None  # no tensor hook registered on the output
     out.sum().backward()
     for recorder in (recorders[0], recorders[-1]):
-        assert not recorder._fwd_sums and not recorder._pending and not recorder.out_calls.any()
-
-
-# ------------------------------------------------------------------- FSDP2
-def test_fsdp2_grad_norm_is_the_norm_of_the_full_unsharded_gradient(tmp_path):
-    import json
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    pytest.importorskip("torch.distributed.fsdp")
-    from torch.distributed import fsdp
-
-    if not hasattr(fsdp, "fully_shard"):
-        pytest.skip("this torch has no FSDP2 fully_shard")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = str(tmp_path / "result")
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "tests.fsdp_worker", str(rank), "2", str(port), out], cwd=root,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-        for rank in range(2)
-    ]
-    logs = [p.communicate(timeout=240)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
-    for rank in range(2):
-        result = json.load(open(f"{out}.{rank}"))
-        for got, exp in zip(result["got"], result["expected"]):
-            for name, value in got.items():
-                assert value == pytest.approx(exp["full"][name], rel=1e-5), (rank, name)
-                # and the test means something: a shard's norm differs from the full one
-                assert exp["local"][name] < exp["full"][name] * 0.999
+        assert not recorder._fwd_sums and not recorder._pending_layer and not recorder.buffer.host["out_calls"].any()

@@ -7,7 +7,10 @@ step instead of one ``add_scalar`` call per value), which keeps a flush of
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import re
 import time
 from typing import Any
 
@@ -24,6 +27,35 @@ PER_STEP_STATS = ("grad_norm", "grad_max", "nonfinite", "out_grad_norm")
 WINDOW_STATS = ("dead_fraction",)
 ALERTS_TAG = f"{PREFIX}/alerts"
 LAYERS_TAG = f"{PREFIX}/layers"  # the monitored layers in module order, one per line
+
+# The alerts of a flush as JSON, inside an HTML comment of the alert text: TensorBoard's
+# sanitiser drops comments from what it shows, `gradwatch report` reads them back.
+_ALERTS_JSON = re.compile(r"<!-- gradwatch-alerts-json: (.*?) -->", re.S)
+
+
+def alerts_markdown(alerts: list[Alert], steps: tuple[int, int]) -> str:
+    """One text for all alerts of a flush: a table to read, the same alerts as JSON to parse."""
+    lines = [
+        f"**{len(alerts)} new alert{'s' if len(alerts) != 1 else ''}** in steps {steps[0]}-{steps[1]}",
+        "",
+        "| kind | layer | step | value | threshold | message |",
+        "|---|---|---|---|---|---|",
+    ]
+    for a in alerts:
+        cells = [a.kind, a.layer or "(whole model)", str(a.step), f"{a.value:.4g}", f"{a.threshold:.4g}", a.message]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    # Inside the comment nothing may read "--" ("-->" would close it); in JSON only strings can hold it.
+    data = json.dumps([a.to_dict() for a in alerts]).replace("--", "-\\u002d")
+    lines += ["", f"<!-- gradwatch-alerts-json: {data} -->"]
+    return "\n".join(lines)
+
+
+def parse_alerts_markdown(text: str) -> list[dict[str, Any]]:
+    """The alerts written by :func:`alerts_markdown` (none for any other text)."""
+    found: list[dict[str, Any]] = []
+    for match in _ALERTS_JSON.finditer(text):
+        found.extend(json.loads(match.group(1)))
+    return found
 
 
 def tag(stat: str, layer: str) -> str:
@@ -51,7 +83,9 @@ class TensorBoardSink:
     def __init__(self, writer: Any, owns_writer: bool, heatmap: bool = True) -> None:
         self.writer = writer
         self.owns_writer = owns_writer
-        self.layout_written = False
+        log_dir = getattr(writer, "log_dir", None) or getattr(writer, "logdir", None)
+        self.log_dir = os.path.abspath(str(log_dir)) if log_dir else None
+        self.layout_dir: str | None = None  # the folder the layout and layer list were written to
         self.heatmap = heatmap
         self._last_heatmap = time.monotonic()
         self._heatmap_cost: float | None = None  # seconds the last drawing took; None: draw now
@@ -63,7 +97,7 @@ class TensorBoardSink:
         if not self.layout_written:
             self.writer.add_custom_scalars(custom_scalars_layout())
             self.writer.add_text(LAYERS_TAG, "\n\n".join(w.layers), w.steps[0])
-            self.layout_written = True
+            self.layout_dir = self.log_dir or ""
         per_step = {
             "grad_norm": (w.grad_norm, w.has_grad),
             "grad_max": (w.grad_max, w.has_grad),
@@ -87,8 +121,8 @@ class TensorBoardSink:
                 if w.skipped is not None:
                     values.append((tag("skipped_steps", ""), float(w.skipped.sum())))
             self._add_scalars(values, step)
-        for alert in alerts:
-            self.writer.add_text(ALERTS_TAG, alert.message, alert.step)
+        if alerts:  # one text per flush: TensorBoard keeps one text per tag and step
+            self.writer.add_text(ALERTS_TAG, alerts_markdown(alerts, (w.steps[0], w.steps[-1])), w.steps[-1])
         now = time.monotonic()
         cost = self._heatmap_cost
         if self.heatmap and (final or cost is None or cost <= self.heatmap_budget * (now - self._last_heatmap)):
@@ -103,6 +137,16 @@ class TensorBoardSink:
             self._undrawn = w
         # No writer.flush() here: it would wait for the writer thread to put every event on
         # disk. Events reach disk at the writer's own pace (flush_secs) and at close().
+
+    @property
+    def layout_written(self) -> bool:
+        """Whether this writer's folder has the layout and the layer list."""
+        return self.layout_dir is not None
+
+    def restore_layout_dir(self, layout_dir: str | None) -> None:
+        """A resumed run: the layout is already there only if it was written to this same folder."""
+        if layout_dir is not None and self.log_dir is not None and layout_dir == self.log_dir:
+            self.layout_dir = layout_dir
 
     def write_histograms(self, named_grads: list[tuple[str, Any]], step: int) -> None:
         """Per-layer gradient histograms (host copy of every gradient: costly, off by default)."""

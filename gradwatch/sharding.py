@@ -1,0 +1,55 @@
+"""Sharded gradients (FSDP2, tensor parallel, any DTensor): local pieces and their weights.
+
+A DTensor gradient is held as one local piece per rank. Its sum of squares and
+its non-finite count are sums over the *distinct* pieces; its maximum is the
+maximum over them. The flush reduces every such partial with one world-wide
+collective per reduction kind, so each rank's partial is weighted by
+
+    weight = (number of distinct pieces) / (world size)
+
+where the number of distinct pieces is the product of the mesh sizes of the
+dimensions the tensor is sharded on. A piece replicated R times across the
+world then contributes R x weight x value = its value once: partials are
+combined over the mesh dimensions on which the tensor is sharded, never over
+replicated ones (a 2x2 replicate x shard mesh: each shard is counted once, not
+twice). A plain tensor in a sharded model is replicated everywhere: weight
+1/world. Maxima need no weight (a maximum over copies is the maximum).
+
+A gradient with a ``Partial`` placement holds pending sums, whose squares do not
+add up; it is reduced to ``Replicate`` on those mesh dims first (one collective
+on that gradient, in step(); FSDP2 gradients are never Partial, tensor-parallel
+ones can be).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor``."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.4, or a build without distributed support
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def local_piece(grad: torch.Tensor, world_size: int) -> tuple[torch.Tensor, float]:
+    """(the local tensor to reduce, its weight in a world-wide sum) for one gradient."""
+    if not is_dtensor(grad):
+        return grad, 1.0 / world_size
+    placements = tuple(grad.placements)
+    if any(p.is_partial() for p in placements):
+        from torch.distributed.tensor import Replicate
+
+        grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in placements])
+        placements = tuple(grad.placements)
+    mesh = grad.device_mesh
+    pieces = 1
+    for dim, placement in enumerate(placements):
+        if placement.is_shard():
+            pieces *= mesh.size(dim)
+    return grad.to_local(), pieces / world_size

@@ -1,0 +1,130 @@
+"""Conditional compute across ranks (gloo, CPU): layers called in different orders, one on rank 0 only.
+
+    python -m tests.conditional_worker RANK WORLD PORT OUT [ok|mismatch|fail]
+
+Rank 0 calls ``a`` before ``b`` and runs ``expert``; rank 1 calls ``b`` before ``a``
+and never runs ``expert`` (a mixture-of-experts route, a branch taken by some
+batches). ``gate`` is an identity layer before a ReLU, fed inputs whose first
+units are negative (4 of them on rank 0, 2 on rank 1): those units get a zero
+output gradient on that rank. Each rank records, with its own tensor hooks, the
+squared norm of every output gradient per step and which units ever had a
+non-zero gradient per window, next to what gradwatch reports after each flush.
+
+Modes: ``mismatch`` monitors ``expert`` on rank 0 only (include/exclude differ, so
+the layouts differ); ``fail`` makes recording raise on rank 1 at step 4.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+from torch import nn
+
+from tests.dist_helpers import run_worker
+
+LAYERS = ("gate", "a", "b", "expert", "head")
+FLUSH_EVERY = 3
+STEPS = 6
+
+
+class Routed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 8)
+        self.a = nn.Linear(8, 6)
+        self.b = nn.Linear(8, 6)
+        self.expert = nn.Linear(8, 6)
+        self.head = nn.Linear(6, 1)
+        with torch.no_grad():
+            self.gate.weight.copy_(torch.eye(8))
+            self.gate.bias.zero_()
+
+    def forward(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        h = torch.relu(self.gate(x))
+        if rank == 0:
+            y = self.a(h) + self.b(h)
+            y = y + self.expert(h)
+        else:
+            yb = self.b(h)
+            y = yb + self.a(h)
+        return self.head(torch.tanh(y))
+
+
+def body(rank: int, world: int) -> dict:
+    from gradwatch import GradMonitor
+
+    mode = sys.argv[5] if len(sys.argv) > 5 else "ok"
+    warnings: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    logging.getLogger("gradwatch").addHandler(Collect())
+    torch.manual_seed(0)
+    model = Routed()
+    exclude = "expert" if mode == "mismatch" and rank == 1 else None
+    monitor = GradMonitor(model, flush_every=FLUSH_EVERY, exclude=exclude)
+    if mode == "fail" and rank == 1:
+        record, calls = monitor._recorder.param_stats.record, [0]
+
+        def failing(rows):
+            calls[0] += 1
+            if calls[0] == 5:
+                raise RuntimeError("forced failure on rank 1")
+            return record(rows)
+
+        monitor._recorder.param_stats.record = failing
+    retained: dict[str, list[torch.Tensor]] = {name: [] for name in LAYERS}
+
+    def keep(name):
+        def hook(module, args, out):
+            if torch.is_grad_enabled():
+                out.retain_grad()
+                retained[name].append(out)
+
+        return hook
+
+    for name in LAYERS:
+        model.get_submodule(name).register_forward_hook(keep(name))
+    torch.manual_seed(100 + rank)
+    negative = 4 if rank == 0 else 2
+    steps, windows = [], []
+    alive = {name: None for name in LAYERS}
+    for step in range(STEPS):
+        for _ in range(2):  # two micro-batches per step
+            x = torch.rand(5, 8) + 0.1
+            x[:, :negative] *= -1
+            model(x, rank).square().mean().backward()
+        sq = {}
+        for name in LAYERS:
+            outs = retained[name]
+            sq[name] = sum(float(o.grad.double().square().sum()) for o in outs)
+            if outs:
+                mask = torch.stack([(o.grad != 0).reshape(-1, o.shape[-1]).any(0) for o in outs]).any(0)
+                alive[name] = mask if alive[name] is None else alive[name] | mask
+            outs.clear()
+        steps.append(sq)
+        alerts = monitor.step()
+        model.zero_grad()
+        if (step + 1) % FLUSH_EVERY == 0:
+            w = monitor.last_window
+            windows.append({
+                "steps": w.steps,
+                "out_grad_norm": {n: [float(v) for v in w.out_grad_norm[:, i]] for i, n in enumerate(w.layers)},
+                "grad_norm": {n: [float(v) for v in w.grad_norm[:, i]] for i, n in enumerate(w.layers)},
+                "dead_fraction": {n: float(w.dead_fraction[i]) for i, n in enumerate(w.layers)},
+                "alive": {n: (None if alive[n] is None else alive[n].tolist()) for n in LAYERS},
+                "alerts": [a.kind for a in alerts],
+            })  # fmt: skip
+            alive = {name: None for name in LAYERS}
+    sync = monitor.sync_dist
+    monitor.close()
+    return {"steps": steps, "windows": windows, "sync_dist": sync, "warnings": warnings}
+
+
+if __name__ == "__main__":
+    run_worker(body)

@@ -1,0 +1,87 @@
+"""Several real processes (gloo, CPU): layouts, reductions over the mesh, failures that must not hang.
+
+Each test starts its workers with ``tests.dist_helpers.spawn``; values are compared
+with what the workers computed themselves from retained gradients or
+``full_tensor()``, never with gradwatch's own arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from .dist_helpers import spawn
+
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+needs_fully_shard = pytest.mark.skipif(not hasattr(fsdp, "fully_shard"), reason="this torch has no FSDP2 fully_shard")
+
+LAYERS = ("gate", "a", "b", "expert", "head")
+
+
+def test_conditional_compute_and_different_call_orders_across_ranks(tmp_path):
+    ranks = spawn("tests.conditional_worker", 2, str(tmp_path / "out"))  # both processes finish
+    for window_index in range(2):
+        for rank in ranks:
+            w = rank["windows"][window_index]
+            for name in LAYERS:
+                # out_grad_norm: root-sum-square over both ranks of the retained output gradients
+                expected = [
+                    math.sqrt(sum(r["steps"][s][name] for r in ranks)) for s in w["steps"]
+                ]
+                assert w["out_grad_norm"][name] == pytest.approx(expected, rel=1e-6), (rank, name)
+                # dead_fraction: units whose output gradient was zero for every sample on both ranks
+                masks = [r["windows"][window_index]["alive"][name] for r in ranks]
+                masks = [m for m in masks if m is not None]
+                alive = [any(unit) for unit in zip(*masks)]
+                assert w["dead_fraction"][name] == pytest.approx(1 - sum(alive) / len(alive)), (rank, name)
+    gate = ranks[0]["windows"][0]["dead_fraction"]["gate"]
+    assert gate == 0.25  # 2 of 8 units dead on both ranks; rank 0 alone would say 0.5
+    assert ranks[1]["windows"][0]["out_grad_norm"]["expert"][0] > 0  # rank 1 never ran it, yet sees it
+    assert all(r["sync_dist"] for r in ranks)
+
+
+def test_ranks_monitoring_different_layers_fall_back_to_local_statistics(tmp_path):
+    ranks = spawn("tests.conditional_worker", 2, str(tmp_path / "out"), "mismatch")
+    for r in ranks:
+        assert r["sync_dist"] is False
+        assert any("different layers" in m for m in r["warnings"]), r["warnings"]
+    # each rank reports its own: rank 0's gate sees only its own 4 dead units of 8
+    assert ranks[0]["windows"][0]["dead_fraction"]["gate"] == 0.5
+    assert "expert" not in ranks[1]["windows"][0]["dead_fraction"]
+
+
+def test_a_failure_on_one_rank_leaves_no_rank_waiting(tmp_path):
+    ranks = spawn("tests.conditional_worker", 2, str(tmp_path / "out"), "fail")
+    # step 4 failed on rank 1: both ranks drop that step, keep the others and stay in sync
+    for r in ranks:
+        second = r["windows"][1]
+        assert second["steps"] == [3, 4, 5]
+        assert math.isnan(second["grad_norm"]["gate"][1])
+        assert all(math.isfinite(v) for v in second["grad_norm"]["gate"][::2])
+        assert r["sync_dist"] is True
+    assert sum("forced failure" in m for m in ranks[1]["warnings"]) == 1
+
+
+@needs_fully_shard
+def test_fsdp2_grad_norm_is_the_norm_of_the_full_unsharded_gradient(tmp_path):
+    for rank, result in enumerate(spawn("tests.fsdp_worker", 2, str(tmp_path / "out"), "flat")):
+        for got, exp in zip(result["got"], result["expected"]):
+            for name, value in got.items():
+                assert value == pytest.approx(exp["full"][name], rel=1e-5), (rank, name)
+                # and the test means something: a shard's norm differs from the full one
+                assert exp["local"][name] < exp["full"][name] * 0.999
+
+
+@needs_fully_shard
+def test_fsdp2_hybrid_2x2_mesh_counts_each_shard_once(tmp_path):
+    # replicate x shard: summing the shard partials over all four ranks would count each twice
+    results = spawn("tests.fsdp_worker", 4, str(tmp_path / "out"), "hsdp")
+    for rank, result in enumerate(results):
+        assert result["placements"][0] == "(Replicate(), Shard(dim=0))"
+        for t, (got, exp) in enumerate(zip(result["got"], result["expected"])):
+            for name, value in got.items():
+                assert value == pytest.approx(exp["full"][name], rel=1e-5), (rank, name)
+                # what summing every rank's shard partial gives: sqrt(2) x the full norm
+                naive = math.sqrt(sum(r["expected"][t]["local"][name] ** 2 for r in results))
+                assert naive == pytest.approx(math.sqrt(2) * exp["full"][name], rel=1e-5)

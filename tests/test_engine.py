@@ -1,0 +1,290 @@
+"""The engine's guarantees: declared layout, exact values at any magnitude, no references kept,
+failures that never reach the training loop, and per-folder dashboard metadata."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from gradwatch import GradMonitor, HealthConfig
+from gradwatch.param_stats import CpuBlasStats, ForeachStats, StepRows, _CpuSlots
+
+from .conftest import read_scalars
+
+
+# ------------------------------------------------------------- declared layout
+def test_layout_is_declared_at_attach_from_module_metadata():
+    model = nn.Sequential(
+        nn.Conv2d(3, 5, 3), nn.BatchNorm2d(5), nn.Flatten(), nn.Linear(20, 7), nn.LayerNorm(7),
+        nn.Embedding(10, 6), nn.LSTM(6, 4, bidirectional=True),
+    )  # fmt: skip
+    monitor = GradMonitor(model, flush_every=4)
+    units = dict(zip(monitor.layers, monitor._recorder.unit_count.tolist()))
+    assert units == {"0": 5, "1": 5, "3": 7, "4": 7, "5": 6, "6": 8}
+    before = monitor._recorder.buffer.layout()
+    nbytes = monitor.buffer_bytes
+    x = torch.randn(2, 3, 4, 4)
+    model[4](model[3](model[2](model[1](model[0](x))))).sum().backward()  # the others never run
+    monitor.step()
+    assert monitor._recorder.buffer.layout() == before and monitor.buffer_bytes == nbytes
+    monitor.close()
+
+
+# ------------------------------------------------------------- huge gradients
+@pytest.mark.parametrize("width", [8, 256], ids=["foreach-path", "cpu-blas-path"])
+def test_finite_gradient_beyond_float32_squares_has_exact_norm_and_explodes(width):
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 4))
+    monitor = GradMonitor(model, flush_every=10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    expected = None
+    for step in range(10):
+        model(torch.randn(16, width)).square().sum().backward()
+        if step == 6:  # as a diverging SGD run reaches in two steps: squares overflow float32
+            with torch.no_grad():
+                model[0].weight.grad.mul_(1e20)
+            grads = torch.cat([p.grad.reshape(-1).double() for p in model[0].parameters()])
+            expected = float(torch.linalg.vector_norm(grads))
+            assert torch.isinf(model[0].weight.grad.square().sum())  # float32 cannot hold it
+        monitor.step()
+        opt.step()
+        opt.zero_grad()
+    w = monitor.last_window
+    assert w.grad_norm[6, 0] == pytest.approx(expected, rel=1e-3)
+    assert w.nonfinite[6, 0] == 0 and np.isfinite(w.global_grad_norm[6])
+    exploding = [a for a in monitor.alerts if a.kind == "exploding" and a.layer == "0"]
+    assert [a.step for a in exploding] == [6]
+    assert not [a for a in monitor.alerts if a.kind == "nonfinite"]
+    monitor.close()
+
+
+def test_output_gradient_beyond_float32_squares_has_exact_norm():
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 1))
+    monitor = GradMonitor(model, flush_every=1, config=HealthConfig(exploding_abs_norm=1e300))
+    out = model[0](torch.randn(3, 4))
+    out.retain_grad()
+    (model[1](out).sum() * 1e25).backward()
+    expected = float(torch.linalg.vector_norm(out.grad.double()))
+    monitor.step()
+    assert monitor.last_window.out_grad_norm[0, 0] == pytest.approx(expected, rel=1e-6)
+    monitor.close()
+
+
+# ------------------------------------------------------------- GradScaler and dead_eps
+@pytest.mark.parametrize("use_scaler", [False, True], ids=["fp32", "gradscaler"])
+def test_dead_eps_is_compared_with_unscaled_gradients(use_scaler):
+    lin = nn.Linear(4, 4)
+    mask = torch.tensor([1.0, 1.0, 1e-7, 0.0])  # unit 2: |g| ~ 1e-7 (dead at eps 1e-3), unit 3: zero
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16) if use_scaler else None
+    monitor = GradMonitor(lin, flush_every=3, config=HealthConfig(dead_eps=1e-3), scaler=scaler)
+    for _ in range(3):
+        loss = (lin(torch.randn(8, 4)) * mask).sum()
+        (scaler.scale(loss) if scaler else loss).backward()
+        monitor.step()
+        lin.zero_grad()
+    assert monitor.last_window.dead_fraction[0] == pytest.approx(0.5)
+    monitor.close()
+
+
+# ------------------------------------------------------------- no references after close
+class _RootParam(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(6))  # the root owns a parameter: it is a layer
+        self.body = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.body(x) * self.scale
+
+
+def test_closed_monitor_that_lives_on_keeps_no_reference_to_the_model():
+    model = _RootParam()
+    monitor = GradMonitor(model, flush_every=2)
+    assert monitor.layers == ["<root>", "body"]
+    for _ in range(3):
+        model(torch.randn(4, 6)).sum().backward()
+        monitor.step()
+        model.zero_grad()
+    monitor.close()
+    model_ref, param_ref = weakref.ref(model), weakref.ref(model.body.weight)
+    del model
+    gc.collect()
+    assert model_ref() is None and param_ref() is None
+    # the monitor stays readable
+    assert monitor.layers == ["<root>", "body"] and monitor.last_window is not None
+    assert monitor.alerts == []
+
+
+# ------------------------------------------------------------- failures stay inside
+@pytest.mark.parametrize("full_from", ["the-start", "after-opening"])
+def test_a_disk_that_fails_every_write_costs_a_few_warnings_not_the_run(tmp_path, monkeypatch, caplog, full_from):
+    from tensorboard.summary.writer import event_file_writer
+
+    def no_space(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    first = nn.Linear(16, 32)
+    with torch.no_grad():
+        first.bias.fill_(-100.0)  # a dead layer: an alert to return
+    model = nn.Sequential(first, nn.ReLU(), nn.Linear(32, 4))
+    if full_from == "the-start":
+        monkeypatch.setattr(event_file_writer.EventFileWriter, "add_event", no_space)
+    monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=5)
+    if full_from == "after-opening":
+        assert monitor._sink is not None
+        monkeypatch.setattr(event_file_writer.EventFileWriter, "add_event", no_space)
+        monkeypatch.setattr(event_file_writer.EventFileWriter, "flush", no_space)
+        monkeypatch.setattr(event_file_writer.EventFileWriter, "close", no_space)
+    returned = []
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        for _ in range(40):
+            model(torch.randn(8, 16)).sum().backward()
+            returned += monitor.step()
+            model.zero_grad()
+        monitor.close()
+    assert any(a.kind == "dead_units" for a in returned)
+    writing = [r for r in caplog.records if "No space left" in r.getMessage()]
+    assert 1 <= len(writing) <= 3, [r.getMessage() for r in writing]
+
+
+def test_an_exception_inside_the_checks_is_one_warning(monkeypatch, caplog):
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    monitor = GradMonitor(model, flush_every=2)
+
+    def broken(window):
+        raise ZeroDivisionError("forced failure in the checks")
+
+    monkeypatch.setattr(monitor._checks, "check", broken)
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        for _ in range(8):
+            model(torch.randn(2, 3)).sum().backward()
+            assert monitor.step() == []
+            model.zero_grad()
+        monitor.close()
+    failures = [r for r in caplog.records if "forced failure in the checks" in r.getMessage()]
+    assert len(failures) == 1
+    assert monitor.last_window is not None and len(monitor.last_window.steps) == 2
+
+
+def test_an_exception_inside_step_keeps_the_window_aligned(monkeypatch, caplog):
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    monitor = GradMonitor(model, flush_every=3)
+    record, calls = monitor._recorder.param_stats.record, [0]
+
+    def sometimes(rows):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("forced failure in step")
+        return record(rows)
+
+    monkeypatch.setattr(monitor._recorder.param_stats, "record", sometimes)
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        for _ in range(3):
+            model(torch.randn(2, 3)).sum().backward()
+            monitor.step()
+            model.zero_grad()
+    w = monitor.last_window
+    assert w.steps == [0, 1, 2]  # the third step() flushed, as without the failure
+    assert w.has_grad[:, 0].tolist() == [True, False, True]  # the failed step is left out
+    assert sum("forced failure in step" in r.getMessage() for r in caplog.records) == 1
+    monitor.close()
+
+
+# ------------------------------------------------------------- layout per folder
+def test_resuming_into_a_new_folder_writes_layout_and_layer_list_there(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+
+    def run(folder, state=None):
+        monitor = GradMonitor(model, logdir=str(tmp_path / folder), flush_every=2)
+        if state is not None:
+            monitor.load_state_dict(state)
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+            monitor.step()
+            model.zero_grad()
+        state = monitor.state_dict()
+        monitor.close()
+        events = EventAccumulator(str(tmp_path / folder))
+        events.Reload()
+        return state, events
+
+    state, v0 = run("v0")
+    _, v1 = run("v1", state)
+    _, v0_again = run("v0", state)  # resumed into the same folder: not written a second time
+    for events in (v0, v1):
+        assert any(t.startswith("gradwatch/layers") for t in events.Tags()["tensors"])
+        assert events.summary_metadata  # the custom-scalars layout is a tensor with its plugin
+    layer_texts = [t for t in v0_again.Tags()["tensors"] if t.startswith("gradwatch/layers")]
+    assert len(v0_again.Tensors(layer_texts[0])) == 1
+
+
+def test_report_reads_structured_alerts_not_message_wording(tmp_path, monkeypatch, capsys):
+    import gradwatch.alerts as alerts_module
+    from gradwatch.cli import main
+    from gradwatch.demo import run_demo
+
+    run_demo(logdir=str(tmp_path / "plain"), steps=30, fault="dead", out=open("/dev/null", "w"))
+    monkeypatch.setattr(alerts_module, "format_message", lambda f: f"Heads up! Something odd near {f.layer!r}.")
+    run_demo(logdir=str(tmp_path / "reworded"), steps=30, fault="dead", out=open("/dev/null", "w"))
+    import json
+
+    kinds = {}
+    for folder in ("plain", "reworded"):
+        assert main(["report", str(tmp_path / folder), "--format", "json"]) == 1
+        data = json.loads(capsys.readouterr().out)
+        kinds[folder] = sorted((a["kind"], a["layer"], a["step"]) for a in data["runs"][0]["alerts"])
+    assert kinds["plain"] == kinds["reworded"] and kinds["plain"]
+    alert = next(a for a in data["runs"][0]["alerts"] if a["kind"] == "dead_units")
+    assert alert["layer"] == "0" and alert["message"].startswith("Heads up!")
+
+
+# ------------------------------------------------------------- the two parameter strategies
+def _reference(grads):
+    flat = [g.reshape(-1).double() for g in grads]
+    finite = [f[torch.isfinite(f)] for f in flat]
+    return (
+        [float(torch.linalg.vector_norm(f)) ** 2 for f in flat],
+        [float(g.abs().max()) for g in grads],
+        [float((~torch.isfinite(f)).sum()) for f, fin in zip(flat, finite)],
+    )
+
+
+@pytest.mark.parametrize("strategy", ["foreach", "foreach-cpu-slots", "cpu-blas"])
+def test_each_parameter_strategy_fills_every_statistic_of_its_tensors(strategy):
+    torch.manual_seed(0)
+    grads = [torch.randn(300, 200), torch.randn(256, 130), torch.randn(40000), torch.randn(180, 190)]
+    grads[1][3, 4] = float("nan")
+    grads[1][5, 6] = float("inf")
+    grads[2].mul_(1e21)  # finite, but its squares overflow float32
+    k = len(grads)
+    rows = StepRows(torch.full((k,), -1.0, dtype=torch.float64), torch.full((k,), -1.0, dtype=torch.float64),
+                    torch.zeros(k, dtype=torch.float64))  # fmt: skip
+    if strategy == "foreach":
+        ForeachStats(torch.float64).reduce(grads, rows, None)  # the accelerator path, run on the CPU
+    elif strategy == "foreach-cpu-slots":
+        ForeachStats(torch.float64).reduce(grads, rows, _CpuSlots(k))
+    else:
+        CpuBlasStats().reduce(grads, rows, _CpuSlots(k))
+    sq, mx, nonfinite = _reference(grads)
+    for i in range(k):
+        assert rows.nonfinite[i].item() == nonfinite[i], i
+        if nonfinite[i]:
+            assert not np.isfinite(rows.sq[i].item())
+            continue
+        assert rows.sq[i].item() == pytest.approx(sq[i], rel=1e-5), i
+        assert rows.max[i].item() == pytest.approx(mx[i], rel=1e-6), i
+
+
+def test_strategies_are_named_per_tensor():
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 2))
+    stats = GradMonitor(model)._recorder.param_stats
+    kinds = {stats.params[j].shape: stats.strategy_of(j) for j in range(stats.n_params)}
+    assert kinds[torch.Size([256, 256])] == "cpu-blas"
+    assert kinds[torch.Size([2, 256])] == kinds[torch.Size([256])] == "foreach"
