@@ -49,15 +49,20 @@ class UnmonitoredControl(Contender):
     name = "none (A/A)"
 
 
-def gradwatch_contender(flush_every: int) -> type[Contender]:
+def gradwatch_contender(flush_every: int, with_optimizer: bool = False) -> type[Contender]:
     class GradWatchContender(Contender):
-        name = f"gradwatch flush={flush_every}"
+        name = f"gradwatch flush={flush_every}" + (" +update_ratio" if with_optimizer else "")
 
         def __init__(self, model, workload, device):
             super().__init__(model, workload, device)
             self.logdir = tempfile.mkdtemp(prefix="gradwatch-bench-")
-            # Thresholds off: the benchmark measures cost, not the health of a random-label task.
-            self.monitor = GradMonitor(model, logdir=self.logdir, flush_every=flush_every, config=HealthConfig())
+            self.monitor = GradMonitor(
+                model,
+                logdir=self.logdir,
+                flush_every=flush_every,
+                config=HealthConfig(),
+                optimizer=self.opt if with_optimizer else None,
+            )
             self.buffer_bytes = self.monitor.buffer_bytes
 
         def after_backward(self):
@@ -217,6 +222,7 @@ def standard() -> list[type[Contender]]:
         gradwatch_contender(1),
         gradwatch_contender(10),
         gradwatch_contender(50),
+        gradwatch_contender(50, with_optimizer=True),
         LightningGradNorm,
         LightningGradNormFloats,
         ItemHook,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-ALERT_KINDS = ("vanishing", "exploding", "dead_units", "nonfinite")
+ALERT_KINDS = ("vanishing", "exploding", "dead_units", "nonfinite", "update_ratio")
 
 
 @dataclass
@@ -33,6 +33,14 @@ class HealthConfig:
     dead_fraction: float = 0.5
     #: Layers with fewer units than this are not judged for dead units.
     dead_min_units: int = 4
+    #: update_ratio (with an optimizer): a layer whose weights change by more than this
+    #: fraction of their norm in one optimizer step ...
+    update_ratio_max: float = 0.2
+    #: ... at this many consecutive measured steps is flagged (learning rate far too high).
+    update_ratio_steps: int = 2
+    #: Weight matrices with a smaller RMS than this are still near a zero or tiny
+    #: initialisation: their relative change says nothing about the learning rate yet.
+    update_ratio_min_weight_rms: float = 1e-3
     #: While a condition persists it is logged again every this many flushes (0: never).
     remind_every: int = 10
     #: Alert kinds that stop training (GradMonitor raises GradientHealthError).
@@ -66,6 +74,10 @@ class HealthConfig:
             raise ValueError(
                 f"HealthConfig.dead_fraction is a fraction in (0, 1], got {self.dead_fraction!r}"
             )
+        finite_positive("update_ratio_max")
+        finite_positive("update_ratio_min_weight_rms", allow_zero=True)
+        if not isinstance(self.update_ratio_steps, int) or isinstance(self.update_ratio_steps, bool) or self.update_ratio_steps < 1:
+            raise ValueError(f"HealthConfig.update_ratio_steps must be an int >= 1, got {self.update_ratio_steps!r}")
         for name in ("exploding_warmup_steps", "dead_min_units", "remind_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -35,13 +35,15 @@ class HealthChecks:
         self.recent_slot = np.zeros(len(layers) + 1, dtype=np.int64)
         self.steps_seen = 0
         self.skipped_steps = 0
+        # Per layer: consecutive measured optimizer steps with a judged update ratio above the limit.
+        self.update_streak = np.zeros(len(layers), dtype=np.int64)
 
     # ------------------------------------------------------------------ API
     def check(self, w: Window) -> list[Finding]:
         """All findings of one window (de-duplication happens in AlertTracker)."""
         n = len(w.steps)
-        if n == 0:
-            return []
+        if n == 0:  # only update-ratio measurements made after the previous window's last step
+            return self._update_ratio(w)
         skipped = w.skipped if w.skipped is not None else np.zeros(n, dtype=bool)
         findings: list[Finding] = []
         findings += self._nonfinite(w, skipped)
@@ -51,6 +53,7 @@ class HealthChecks:
             findings += self._exploding(w, valid)
             vanishing = self._vanishing(w, valid)
         findings += vanishing + self._explained_by_vanishing(self._dead(w), vanishing)
+        findings += self._update_ratio(w)
         n_skipped = int(skipped.sum())
         if n_skipped:
             self.skipped_steps += n_skipped
@@ -191,6 +194,34 @@ class HealthChecks:
             )
         return findings
 
+    def _update_ratio(self, w: Window) -> list[Finding]:
+        """Layers whose weight matrices changed by more than update_ratio_max of their norm at
+        update_ratio_steps consecutive measured optimizer steps (streaks carry across windows)."""
+        if w.judged_update_ratio is None:
+            return []
+        cfg = self.config
+        findings: list[Finding] = []
+        flagged: set[int] = set()
+        for t, step in enumerate(w.update_steps):
+            ratio, rms = w.judged_update_ratio[t], w.judged_weight_rms[t]  # type: ignore[index]
+            measured = np.isfinite(ratio) & (rms >= cfg.update_ratio_min_weight_rms)
+            above = measured & (ratio > cfg.update_ratio_max)
+            # A measured step below the limit ends a streak; unmeasured layers keep theirs.
+            self.update_streak = np.where(above, self.update_streak + 1, np.where(measured, 0, self.update_streak))
+            for i in np.flatnonzero(self.update_streak >= cfg.update_ratio_steps):
+                if i in flagged:
+                    continue
+                flagged.add(int(i))
+                findings.append(
+                    Finding(
+                        "update_ratio", self.layers[i], int(step), float(ratio[i]), cfg.update_ratio_max,
+                        f"its weights changed by {ratio[i]:.3g} of their norm in one optimizer step, above "
+                        f"{cfg.update_ratio_max:g} at {int(self.update_streak[i])} measured steps in a row: "
+                        "the learning rate is far too high for this layer",
+                    )  # fmt: skip
+                )
+        return findings
+
     def _causal_ceilings(self, table: np.ndarray) -> np.ndarray:
         """Per step and column: factor x max(long-run baseline, largest of the last calm steps).
 
@@ -233,6 +264,7 @@ class HealthChecks:
             "recent_slot": [int(i) for i in self.recent_slot],
             "steps_seen": self.steps_seen,
             "skipped_steps": self.skipped_steps,
+            "update_streak": dict(zip(self.layers, (int(s) for s in self.update_streak))),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -251,6 +283,8 @@ class HealthChecks:
             self.recent_slot[j] = int(slots.get(name, 0)) % _RECENT_STEPS
         self.steps_seen = int(state["steps_seen"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        streaks = state.get("update_streak", {})
+        self.update_streak = np.array([int(streaks.get(n, 0)) for n in self.layers], dtype=np.int64)
 
 
 def _first_in(order: list[int], mask: np.ndarray, reverse_default: bool = False) -> int:

@@ -95,6 +95,7 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
             scaler=getattr(trainer.precision_plugin, "scaler", None),
             histograms=self.histograms,
             sync_dist=trainer.world_size > 1,
+            optimizer=trainer.optimizers[0] if trainer.optimizers else None,
         )
         if self._pending_state is not None:
             monitor.load_state_dict(self._pending_state)

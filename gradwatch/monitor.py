@@ -17,6 +17,7 @@ from .layers import discover_layers
 from .recorder import Recorder
 from .sinks.tensorboard import TensorBoardSink
 from .failures import FailureLog
+from .updates import UpdateRatio
 from .window import Window
 
 log = logging.getLogger("gradwatch")
@@ -44,6 +45,7 @@ class GradMonitor:
         scaler: Any = None,
         histograms: bool = False,
         sync_dist: bool | None = None,
+        optimizer: Any = None,
     ) -> None:
         if not isinstance(flush_every, int) or isinstance(flush_every, bool) or flush_every < 1:
             raise ValueError(f"flush_every must be an int >= 1 (steps per flush), got {flush_every!r}")
@@ -89,7 +91,26 @@ class GradMonitor:
             scale_source,
             project_units=config.dead_eps == 0,
             world_size=world,
+            track_updates=optimizer is not None,
         )
+        self._updates: UpdateRatio | None = None
+        if optimizer is not None:
+            recorder = self._recorder
+
+            def write_update(columns: Any, index: torch.Tensor, update_sq: torch.Tensor, weight_sq: torch.Tensor) -> None:
+                monitor = self_ref()
+                if monitor is not None and not monitor._closed:
+                    recorder.write_update(monitor._next_step - 1, columns, index, update_sq, weight_sq)
+
+            self._updates = UpdateRatio(
+                optimizer,
+                recorder.param_stats.params,
+                recorder.param_stats.param_layer,
+                flush_every,
+                write_update,
+                recorder.hook_failed,
+                recorder.buffer.dtype,
+            )
         if self._sync_dist:
             self._agree_on_layout()
         self._checks = HealthChecks(config, self._names)
@@ -185,7 +206,7 @@ class GradMonitor:
 
     def _flush(self, final: bool) -> list[Alert]:
         recorder = self._recorder
-        if recorder.slot == 0:
+        if recorder.slot == 0 and not recorder.update_steps:
             return []
         steps = self._window_steps
         self._window_steps = []
@@ -198,7 +219,8 @@ class GradMonitor:
             return []
         self._open_own_writer()
         findings = self._guarded("the health checks", lambda: self._checks.check(window), [])
-        new = self._guarded("alert tracking", lambda: self._tracker.update(findings, steps[-1]), [])
+        last_step = max(steps + window.update_steps)
+        new = self._guarded("alert tracking", lambda: self._tracker.update(findings, last_step), [])
         if self._sink is not None:
             self._guarded(
                 "writing to TensorBoard",
@@ -292,6 +314,8 @@ class GradMonitor:
                 log.error("gradwatch: %s", exc)
         finally:
             self._hooks.remove()
+            if self._updates is not None:
+                self._updates.remove()
             self._recorder.drop_references()
             if self._sink is not None:
                 self._guarded("closing the TensorBoard writer", self._sink.close, None)
@@ -308,6 +332,8 @@ class GradMonitor:
         try:
             if not self._closed:
                 self._hooks.remove()
+                if self._updates is not None:
+                    self._updates.remove()
         except Exception:
             pass
 

@@ -210,6 +210,7 @@ class ParamStats:
         self.params = [params[j] for j in order]
         self.param_layer = np.array([owner[j] for j in order], dtype=np.int64)
         self.numel = np.array([_global_numel(p) for p in self.params], dtype=np.int64)
+        self.ndim = np.array([p.ndim for p in self.params], dtype=np.int64)
         self._groups: list[tuple[tuple, slice]] = []
         start = 0
         ordered_keys = [keys[j] for j in order]
@@ -289,6 +290,10 @@ class ParamStats:
                 self._weights[key] = tensor
         rows.sq.mul_(tensor)
         rows.nonfinite.mul_(tensor)
+
+    def param_weights(self) -> np.ndarray:
+        """Each column's weight in a world-wide sum of its tensor's pieces (see sharding.py)."""
+        return np.array([local_piece(p, self.world_size)[1] for p in self.params])
 
     def drop_references(self) -> None:
         """Forget the parameters (close())."""

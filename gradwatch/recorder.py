@@ -35,6 +35,11 @@ STEP_FAILED = "step_failed"  # host [F] ranks on which recording this step faile
 # Window states.
 UNIT_ACC = "unit_acc"  # [U] per unit: zero exactly for dead units
 ROWS_SEEN = "rows_seen"  # host [L] output-gradient rows (samples x positions) judged for dead units
+# Update-to-weight ratio (with an optimizer): one row per measured optimizer step, at most
+# flush_every + 1 per window (a measurement after a window's last step joins the next one).
+UPDATE_SQ = "update_sq"  # [F + 1, P] ||w_after - w_before||^2 per tensor
+WEIGHT_SQ = "weight_sq"  # [F + 1, P] ||w_before||^2 per tensor
+UPDATE_SEEN = "update_seen"  # host [F + 1, P] ranks on which the tensor was measured
 
 # Fold queued hook results into the buffer once this many are queued, so that
 # forward/backward without step() cannot grow memory.
@@ -52,6 +57,7 @@ class Recorder:
         scale_source: Callable[[], torch.Tensor | None],
         project_units: bool = True,
         world_size: int = 1,
+        track_updates: bool = False,
     ) -> None:
         self.layers = layers
         self.names = [layer.name for layer in layers]
@@ -89,11 +95,18 @@ class Recorder:
         buffer.add_state(STEP_FAILED, (F,), "sum", host=True)
         buffer.add_state(UNIT_ACC, (int(self.unit_count.sum()),), "sum")
         buffer.add_state(ROWS_SEEN, (n,), "sum", host=True)
+        self.track_updates = track_updates
+        if track_updates:
+            buffer.add_state(UPDATE_SQ, (F + 1, p), param_sum)
+            buffer.add_state(WEIGHT_SQ, (F + 1, p), param_sum)
+            buffer.add_state(UPDATE_SEEN, (F + 1, p), param_sum, host=True)
         buffer.freeze()
         self._dtype = buffer.dtype
         self._host = buffer.host
 
         self.slot = 0
+        self.update_steps: list[int] = []  # the optimizer step each update row describes
+        self._update_weights: torch.Tensor | None = None  # per-column weights when sharded
         self.forward_order: list[int] = []
         self.backward_order: list[int] = []
         self._backward_seen: set[int] = set()
@@ -280,6 +293,25 @@ class Recorder:
             self.discard_pending()
             self.slot = slot + 1
 
+    def write_update(
+        self, step: int, columns: np.ndarray, index: torch.Tensor, update_sq: torch.Tensor, weight_sq: torch.Tensor
+    ) -> None:
+        """Record one measured optimizer step's squared norms for ``columns`` (``index``: the same on the device)."""
+        row = len(self.update_steps)
+        if row > self.flush_every:  # no flush since: measurements beyond a window's capacity are dropped
+            return
+        dtype = self._dtype
+        update, weight = update_sq.to(dtype), weight_sq.to(dtype)
+        if self.param_stats.sharded:
+            if self._update_weights is None:
+                self._update_weights = torch.as_tensor(self.param_stats.param_weights(), dtype=dtype).to(self.device)
+            scale = self._update_weights.index_select(0, index)
+            update, weight = update * scale, weight * scale
+        self.buffer.row(UPDATE_SQ, row).index_copy_(0, index, update)
+        self.buffer.row(WEIGHT_SQ, row).index_copy_(0, index, weight)
+        self._host[UPDATE_SEEN][row][columns] = 1
+        self.update_steps.append(step)
+
     def mark_window_failed(self) -> None:
         """Mark every step of the window as failed (a failure before the flush's collective)."""
         self._host[STEP_FAILED][:] = 1
@@ -299,6 +331,7 @@ class Recorder:
         """Start an empty window (after a flush)."""
         self.buffer.zero_()
         self.step_orders = []
+        self.update_steps = []
         self.slot = 0
 
     def discard_pending(self) -> None:
@@ -365,6 +398,29 @@ def build_window(host: dict[str, np.ndarray], steps: list[int], rec: Recorder, d
         unit_value = np.sqrt(np.abs(units[offset : offset + count]))
         dead[i] = float(np.mean(unit_value <= dead_eps))  # NaN (non-finite) is not dead
 
+    update_steps: list[int] = []
+    update_ratio = judged_ratio = weight_rms = None
+    if rec.track_updates and rec.update_steps:
+        u = len(rec.update_steps)
+        update_steps = list(rec.update_steps)
+        seen = host[UPDATE_SEEN][:u] > 0
+        upd = np.where(seen, host[UPDATE_SQ][:u], 0.0)
+        wsq = np.where(seen, host[WEIGHT_SQ][:u], 0.0)
+        judged = seen & (ps.ndim >= 2)[None, :]  # weight matrices and kernels (not norms, biases, scales)
+
+        def layer_sum(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+            out = np.zeros((u, n_layers))
+            np.add.at(out.T, owner, np.where(mask, values, 0.0).T)
+            return out
+
+        measured = layer_sum(seen.astype(np.float64), seen) > 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            update_ratio = np.where(measured, np.sqrt(layer_sum(upd, seen) / layer_sum(wsq, seen)), np.nan)
+            weights_sq, weights_n = layer_sum(wsq, judged), layer_sum(np.broadcast_to(ps.numel, wsq.shape).astype(np.float64), judged)
+            judged_ratio = np.sqrt(layer_sum(upd, judged) / weights_sq)
+            weight_rms = np.sqrt(weights_sq / weights_n)
+        judged_ratio = np.where(layer_sum(judged.astype(np.float64), judged) > 0, judged_ratio, np.nan)
+
     skipped = None
     if scaler_in_use:
         # GradScaler skips exactly the steps whose gradients hold an Inf/NaN.
@@ -386,6 +442,10 @@ def build_window(host: dict[str, np.ndarray], steps: list[int], rec: Recorder, d
         step_orders=list(rec.step_orders[:n]),
         skipped=skipped,
         rows_seen=rows_seen,
+        update_steps=update_steps,
+        update_ratio=update_ratio,
+        judged_update_ratio=judged_ratio,
+        judged_weight_rms=weight_rms,
     )
 
 

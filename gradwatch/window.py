@@ -34,6 +34,15 @@ class Window:
     #: [layer] output-gradient rows (samples x positions, over calls, micro-batches and
     #: ranks) behind each layer's dead_fraction in this window
     rows_seen: np.ndarray | None = None
+    #: optimizer steps at which the update-to-weight ratio was measured (with an optimizer)
+    update_steps: list[int] = field(default_factory=list)
+    #: [update step, layer] ||w_after - w_before|| / ||w_before|| of the layer's own parameters
+    update_ratio: np.ndarray | None = None
+    #: [update step, layer] the same over the layer's weight matrices and kernels only (>= 2-D),
+    #: what the update_ratio check judges; NaN for layers without one
+    judged_update_ratio: np.ndarray | None = None
+    #: [update step, layer] RMS of those weights before the step
+    judged_weight_rms: np.ndarray | None = None
 
     @property
     def grad_rms(self) -> np.ndarray:

@@ -276,8 +276,9 @@ def _healthy_lstm():
                          ids=["mlp-adam", "cnn-batchnorm", "transformer", "lstm"])
 def test_healthy_training_raises_nothing(factory):
     model, make, loss_fn = factory()
-    monitor = GradMonitor(model, flush_every=25)
-    alerts = _train(model, monitor, 200, make, loss_fn, lr=1e-3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    monitor = GradMonitor(model, flush_every=25, optimizer=opt)  # update_ratio judged too
+    alerts = _train(model, monitor, 200, make, loss_fn, opt=opt)
     assert alerts == [], [a.message for a in alerts]
     # the run really trained and really was monitored
     assert monitor._checks.steps_seen == 200
@@ -288,7 +289,8 @@ def test_healthy_training_raises_nothing(factory):
     "field,value",
     [("vanishing_abs_rms", -1.0), ("vanishing_rel_rms", 2.0), ("exploding_abs_norm", 0.0),
      ("exploding_factor", 0.5), ("dead_fraction", 1.5), ("dead_eps", float("nan")),
-     ("remind_every", -1), ("exploding_warmup_steps", 1.5), ("stop_on", {"exploded"})],
+     ("remind_every", -1), ("exploding_warmup_steps", 1.5), ("stop_on", {"exploded"}),
+     ("update_ratio_max", 0.0), ("update_ratio_steps", 0), ("update_ratio_min_weight_rms", -1.0)],
 )  # fmt: skip
 def test_health_config_rejects_nonsense_naming_the_field(field, value):
     with pytest.raises((ValueError, TypeError), match=field):

@@ -71,6 +71,15 @@ def test_fsdp2_grad_norm_is_the_norm_of_the_full_unsharded_gradient(tmp_path):
                 assert value == pytest.approx(exp["full"][name], rel=1e-5), (rank, name)
                 # and the test means something: a shard's norm differs from the full one
                 assert exp["local"][name] < exp["full"][name] * 0.999
+        _check_update_ratio(result)
+
+
+def _check_update_ratio(result):
+    """update_ratio of sharded weights: that of the full tensors (gathered by the worker) around opt.step()."""
+    assert result["update_steps"] == [0, 1]
+    for got, exp in zip(result["got_ratio"], result["expected"]):
+        for name, value in got.items():
+            assert value == pytest.approx(exp["update_ratio"][name], rel=1e-3), name
 
 
 @needs_fully_shard
@@ -85,3 +94,4 @@ def test_fsdp2_hybrid_2x2_mesh_counts_each_shard_once(tmp_path):
                 # what summing every rank's shard partial gives: sqrt(2) x the full norm
                 naive = math.sqrt(sum(r["expected"][t]["local"][name] ** 2 for r in results))
                 assert naive == pytest.approx(math.sqrt(2) * exp["full"][name], rel=1e-5)
+        _check_update_ratio(result)

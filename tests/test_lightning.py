@@ -243,3 +243,30 @@ def test_detaches_when_training_raises(tmp_path):
     assert all(not m._forward_hooks for m in model.modules())
     # the partial window (steps 4-5) was flushed on the way out
     assert sorted(read_scalars(str(tmp_path / "run"))["gradwatch/grad_norm/net.0"]) == list(range(6))
+
+
+class _UpdateReference(L.Callback):
+    """The update ratio of net.0 per optimizer step, from weight copies taken around the step."""
+
+    def __init__(self):
+        self.before = None
+        self.ratios: dict[int, float] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.before = [p.detach().clone() for p in pl_module.net[0].parameters()]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        after = list(pl_module.net[0].parameters())
+        change = sum(float((a.double() - b.double()).square().sum()) for a, b in zip(after, self.before))
+        norm = sum(float(b.double().square().sum()) for b in self.before)
+        self.ratios[trainer.global_step - 1] = (change / norm) ** 0.5
+
+
+def test_update_ratio_through_the_trainers_optimizer(tmp_path):
+    reference = _UpdateReference()
+    trainer = _trainer(tmp_path, [GradWatch(flush_every=5), reference], max_steps=10, limit_val_batches=0)
+    trainer.fit(Regressor(lr=0.01))
+    written = read_scalars(str(tmp_path / "run"))["gradwatch/update_ratio/net.0"]
+    assert sorted(written) == [0, 1, 5, 6]  # two consecutive steps at the start of each window
+    for step, value in written.items():
+        assert value == pytest.approx(reference.ratios[step], rel=1e-3)

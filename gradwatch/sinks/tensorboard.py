@@ -24,7 +24,7 @@ log = logging.getLogger("gradwatch")
 
 PREFIX = "gradwatch"
 PER_STEP_STATS = ("grad_norm", "grad_max", "nonfinite", "out_grad_norm")
-WINDOW_STATS = ("dead_fraction",)
+WINDOW_STATS = ("dead_fraction", "update_ratio")
 ALERTS_TAG = f"{PREFIX}/alerts"
 LAYERS_TAG = f"{PREFIX}/layers"  # the monitored layers in module order, one per line
 
@@ -94,9 +94,11 @@ class TensorBoardSink:
 
     def write(self, w: Window, alerts: list[Alert], total_alerts: int, final: bool = False) -> None:
         """Write one window's scalars at the steps they describe, then its alerts."""
+        described = w.steps + w.update_steps
+        first, last = min(described), max(described)
         if not self.layout_written:
             self.writer.add_custom_scalars(custom_scalars_layout())
-            self.writer.add_text(LAYERS_TAG, "\n\n".join(w.layers), w.steps[0])
+            self.writer.add_text(LAYERS_TAG, "\n\n".join(w.layers), first)
             self.layout_dir = self.log_dir or ""
         per_step = {
             "grad_norm": (w.grad_norm, w.has_grad),
@@ -121,8 +123,14 @@ class TensorBoardSink:
                 if w.skipped is not None:
                     values.append((tag("skipped_steps", ""), float(w.skipped.sum())))
             self._add_scalars(values, step)
+        if w.update_ratio is not None:
+            for t, step in enumerate(w.update_steps):
+                row = w.update_ratio[t]
+                self._add_scalars([(tag("update_ratio", w.layers[i]), float(row[i])) for i in np.flatnonzero(np.isfinite(row))], step)
         if alerts:  # one text per flush: TensorBoard keeps one text per tag and step
-            self.writer.add_text(ALERTS_TAG, alerts_markdown(alerts, (w.steps[0], w.steps[-1])), w.steps[-1])
+            self.writer.add_text(ALERTS_TAG, alerts_markdown(alerts, (first, last)), last)
+        if not w.steps:
+            return
         now = time.monotonic()
         cost = self._heatmap_cost
         if self.heatmap and (final or cost is None or cost <= self.heatmap_budget * (now - self._last_heatmap)):

@@ -1,0 +1,169 @@
+"""Update-to-weight ratio: ||w_after - w_before|| / ||w_before|| around ``optimizer.step()``.
+
+The change is measured, not derived from the optimizer's formulas, so it is
+exact for any ``torch.optim`` optimizer (SGD with momentum and weight decay,
+Adam, AdamW, fused and foreach variants, ...): a step pre-hook copies the
+parameters about to change and takes their norms, a step post-hook subtracts
+the new values from the copy in place and takes the norms of the difference.
+Nothing is read back to the host; the results go into the buffer rows.
+
+Memory stays bounded: there is no permanent copy of the model. The parameters
+are measured in chunks (whole layers, up to ``CHUNK_BYTES`` each, more when a
+window is too short to go round the model with that), and only one chunk is
+copied at a time, from the pre-hook to the post-hook of one step. Each chunk is
+measured at two consecutive optimizer steps of every flush window (positions
+2c and 2c + 1 of the window for chunk c): every layer gets values in every
+window, and two in a row tell a lasting condition from a one-step blip.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .devices import index_tensor
+from .sharding import is_dtensor
+
+log = logging.getLogger("gradwatch")
+
+#: The most parameter bytes copied at once (unless a window is too short for that).
+CHUNK_BYTES = 64 << 20
+
+
+class UpdateRatio:
+    """Optimizer hooks measuring the relative change of the monitored parameters in chunks."""
+
+    def __init__(
+        self,
+        optimizer: Any,
+        params: list[torch.Tensor],
+        param_layer: np.ndarray,
+        flush_every: int,
+        write: Callable[[np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor], None],
+        on_error: Callable[[str, BaseException], None],
+        acc_dtype: torch.dtype,
+    ) -> None:
+        if not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "register_step_pre_hook")):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer (the one stepping the model), got "
+                f"{type(optimizer).__name__}"
+            )
+        managed = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self.columns = [j for j, p in enumerate(params) if id(p) in managed]
+        if not self.columns:
+            raise ValueError(
+                "the optimizer holds none of the monitored layers' parameters, so their updates cannot be "
+                "measured; pass the optimizer that steps this model (not a copy of its parameters)"
+            )
+        self._params: list[torch.Tensor] | None = params
+        self._acc = acc_dtype
+        self._write = write
+        self._on_error = on_error
+        self.chunks = _chunks(self.columns, params, param_layer, flush_every)
+        self.flush_every = flush_every
+        self._index: dict[int, torch.Tensor] = {}
+        self._before: list[torch.Tensor] | None = None
+        self._before_sq: torch.Tensor | None = None
+        self._chunk: int | None = None
+        self.optimizer_steps = 0
+        self_ref = weakref.ref(self)
+
+        def pre(opt: Any, args: Any, kwargs: Any) -> None:
+            tracker = self_ref()
+            if tracker is not None:
+                tracker._pre()
+
+        def post(opt: Any, args: Any, kwargs: Any) -> None:
+            tracker = self_ref()
+            if tracker is not None:
+                tracker._post()
+
+        self._handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+
+    def chunk_at(self, optimizer_step: int) -> int | None:
+        """The chunk measured at this optimizer step (positions 2c and 2c + 1 of each window), or None."""
+        position = optimizer_step % self.flush_every
+        chunk = position // 2
+        return chunk if chunk < len(self.chunks) else None
+
+    def _local(self, columns: list[int]) -> list[torch.Tensor]:
+        params = self._params or []
+        return [(params[j].to_local() if is_dtensor(params[j]) else params[j]).detach() for j in columns]
+
+    def _pre(self) -> None:
+        step = self.optimizer_steps
+        self.optimizer_steps += 1
+        self._before = None
+        chunk = self.chunk_at(step)
+        if chunk is None or self._params is None:
+            return
+        try:
+            with torch.no_grad():
+                current = self._local(self.chunks[chunk])
+                before = torch._foreach_mul(current, 1.0)  # a transient copy of one chunk (x * 1 is exact)
+                self._before_sq = torch.stack(torch._foreach_norm(before, 2, dtype=self._acc)).square_()
+                self._before, self._chunk = before, chunk
+        except Exception as exc:
+            self._before = None
+            self._on_error("update_ratio (before the optimizer step)", exc)
+
+    def _post(self) -> None:
+        before, chunk = self._before, self._chunk
+        self._before = None  # the copy lives from one pre-hook to its post-hook, no longer
+        if before is None or chunk is None or self._params is None:
+            return
+        try:
+            with torch.no_grad():
+                columns = self.chunks[chunk]
+                torch._foreach_sub_(before, self._local(columns))  # w_before - w_after, in place
+                update_sq = torch.stack(torch._foreach_norm(before, 2, dtype=self._acc)).square_()
+                index = self._index.get(chunk)
+                if index is None:
+                    index = self._index[chunk] = index_tensor(columns, update_sq.device)
+                self._write(np.asarray(columns), index, update_sq, self._before_sq)  # type: ignore[arg-type]
+        except Exception as exc:
+            self._on_error("update_ratio (after the optimizer step)", exc)
+        finally:
+            self._before_sq = None
+
+    def remove(self) -> None:
+        """Remove the optimizer hooks and forget the parameters."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._params = None
+        self._before = None
+
+
+def _chunks(columns: list[int], params: list[torch.Tensor], param_layer: np.ndarray, flush_every: int) -> list[list[int]]:
+    """Columns grouped into chunks of whole layers, small enough to copy, few enough to fit a window."""
+    by_layer: dict[int, list[int]] = {}
+    for j in columns:
+        by_layer.setdefault(int(param_layer[j]), []).append(j)
+    sizes = {layer: sum(_nbytes(params[j]) for j in cols) for layer, cols in by_layer.items()}
+    total = sum(sizes.values())
+    slots = max(1, flush_every // 2)  # chunks measured per window, two steps each
+    budget = max(CHUNK_BYTES, -(-total // slots))
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for layer in sorted(by_layer):
+        if current and used + sizes[layer] > budget:
+            chunks.append(current)
+            current, used = [], 0
+        current += by_layer[layer]
+        used += sizes[layer]
+    if current:
+        chunks.append(current)
+    while len(chunks) > slots:  # layers larger than the budget: merge neighbours
+        chunks[-2:] = [chunks[-2] + chunks[-1]]
+    return chunks
+
+
+def _nbytes(p: torch.Tensor) -> int:
+    local = p.to_local() if is_dtensor(p) else p
+    return local.numel() * local.element_size()
