@@ -49,9 +49,10 @@ class UnmonitoredControl(Contender):
     name = "none (A/A)"
 
 
-def gradwatch_contender(flush_every: int, with_optimizer: bool = False) -> type[Contender]:
+def gradwatch_contender(flush_every: int, with_optimizer: bool = False, detail: str = "standard") -> type[Contender]:
     class GradWatchContender(Contender):
-        name = f"gradwatch flush={flush_every}" + (" +update_ratio" if with_optimizer else "")
+        name = (f"gradwatch flush={flush_every}" + (" full" if detail == "full" else "")
+                + (" +update_ratio" if with_optimizer else ""))  # fmt: skip
 
         def __init__(self, model, workload, device):
             super().__init__(model, workload, device)
@@ -62,6 +63,7 @@ def gradwatch_contender(flush_every: int, with_optimizer: bool = False) -> type[
                 flush_every=flush_every,
                 config=HealthConfig(),
                 optimizer=self.opt if with_optimizer else None,
+                detail=detail,
             )
             self.buffer_bytes = self.monitor.buffer_bytes
 
@@ -222,6 +224,7 @@ def standard() -> list[type[Contender]]:
         gradwatch_contender(1),
         gradwatch_contender(10),
         gradwatch_contender(50),
+        gradwatch_contender(50, detail="full"),
         gradwatch_contender(50, with_optimizer=True),
         LightningGradNorm,
         LightningGradNormFloats,

@@ -1,11 +1,13 @@
 """GPU check: the benchmark workloads on CUDA, with host syncs made errors between flushes.
 
-    python benchmarks/gpu_check.py     # about 2-4 minutes on one GPU
+    python benchmarks/gpu_check.py     # about 3-5 minutes on one GPU
 
 1. No sync: ``torch.cuda.set_sync_debug_mode("error")`` around gradwatch's non-flush steps
-   (forward, backward, monitor.step(), optimizer step): any synchronising call raises.
+   (forward, backward, monitor.step(), optimizer step), for the default (detail="standard":
+   sampled and unsampled steps) and detail="full": any synchronising call raises.
 2. Overhead: the interleaved ratio (and paired per-round ratio) to an unmonitored copy,
-   for the same contenders as the CPU tables, steps timed with synchronize.
+   for the same contenders as the CPU tables (default, full detail, +update_ratio, the
+   alternatives, the floors), steps timed with synchronize; then the real models.
 """
 
 from __future__ import annotations
@@ -24,17 +26,17 @@ from benchmarks import workloads as W  # noqa: E402
 from benchmarks.harness import format_table, measure  # noqa: E402
 
 
-def no_sync_check(workload, device: torch.device, steps: int = 10) -> str:
+def no_sync_check(workload, device: torch.device, steps: int = 30, detail: str = "standard") -> str:
     torch.manual_seed(0)
     model = workload.make_model().to(device)
-    watched = C.gradwatch_contender(50)(copy.deepcopy(model), workload, device)
+    watched = C.gradwatch_contender(50, with_optimizer=True, detail=detail)(copy.deepcopy(model), workload, device)
     # Adam on CUDA with capturable=False keeps its step counters on the host: no sync there.
     for _ in range(3):
         watched.step()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(steps):  # steps 3..12 of a 50-step window: none flushes
+        for _ in range(steps):  # steps 3..32 of a 50-step window: none flushes; step 25 is sampled
             watched.step()
     except RuntimeError as exc:
         return f"SYNC DETECTED: {exc}"
@@ -52,12 +54,18 @@ def main() -> None:
     device = torch.device("cuda")
     print(f"# gradwatch GPU check  torch {torch.__version__}, {torch.cuda.get_device_name()}")
     for workload in W.standard():
-        print(f"{workload.name}: {no_sync_check(workload, device)}", flush=True)
+        for detail in ("standard", "full"):
+            print(f"{workload.name} ({detail}): {no_sync_check(workload, device, detail=detail)}", flush=True)
     contenders = C.standard()  # the CPU tables' contenders, read-once floor included
     for workload in W.standard():
         results = measure(workload, contenders, rounds=100, warmup=10, device=device, sync=torch.cuda.synchronize)
         print(format_table(workload.name, results), flush=True)
         print(f"peak memory {torch.cuda.max_memory_allocated() / (1 << 20):.0f} MiB (all contenders)")
+    from benchmarks.overhead import REAL_MODEL_CONTENDERS
+
+    for workload in W.real_models():
+        results = measure(workload, REAL_MODEL_CONTENDERS, rounds=30, warmup=5, device=device, sync=torch.cuda.synchronize)
+        print(format_table(workload.name, results), flush=True)
 
 
 if __name__ == "__main__":

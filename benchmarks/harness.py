@@ -127,3 +127,31 @@ def format_table(workload_name: str, results: list[Result]) -> str:
 
 def _bytes(n: int) -> str:
     return f"{n / 1024:.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten op dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_step(workload, contender_type, device: torch.device, window: int = 50, counted: int | None = None) -> float:
+    """Mean aten ops per step of a contender over ``counted`` steps (default: one whole flush
+    window, its sampled steps and its flush included), after a first window of warm-up."""
+    torch.manual_seed(0)
+    contender = contender_type(workload.make_model().to(device), workload, device)
+    for _ in range(window):
+        contender.step()
+    counted = counted or window
+    counter = OpCounter()
+    with counter:
+        for _ in range(counted):
+            contender.step()
+    contender.close()
+    return counter.count / counted

@@ -28,7 +28,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import contenders as C  # noqa: E402
 from benchmarks import workloads as W  # noqa: E402
-from benchmarks.harness import format_table, host_syncs_between_flushes, measure, paired_ratio  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    format_table,
+    host_syncs_between_flushes,
+    measure,
+    ops_per_step,
+    paired_ratio,
+)
+
+#: The contenders of the real-model tables (each step takes 0.2-0.5 s on 2 CPU cores).
+REAL_MODEL_CONTENDERS = [
+    C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(50), C.gradwatch_contender(50, detail="full"),
+    C.LightningGradNorm, C.ReadOnceFloor,
+]  # fmt: skip
+
+
+def op_table(workload, device: torch.device) -> dict[str, float]:
+    """Aten ops per step: unmonitored, gradwatch's default and full detail (deterministic counts)."""
+    plain = ops_per_step(workload, C.Unmonitored, device, window=5, counted=5)
+    standard = ops_per_step(workload, C.gradwatch_contender(50), device)
+    full = ops_per_step(workload, C.gradwatch_contender(50, detail="full"), device, counted=5)
+    print(f"aten ops per step: unmonitored {plain:.1f}, gradwatch default {standard:.1f} (+{standard / plain - 1:.1%}), "
+          f"full detail {full:.1f} (+{full / plain - 1:.1%})")  # fmt: skip
+    return {"unmonitored": plain, "standard": standard, "full": full}
 
 
 def main() -> None:
@@ -37,6 +59,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument("--skip-scaling", action="store_true", help="skip the depth and flush_every sweeps")
+    parser.add_argument("--skip-real", action="store_true", help="skip the real-model tables (ResNet-18, GPT-2, ViT)")
+    parser.add_argument("--skip-ops", action="store_true", help="skip the op counts (slow: every op through Python)")
     args = parser.parse_args()
     logging.getLogger("gradwatch").setLevel(logging.ERROR)  # random-label tasks are not the point here
     rounds = args.rounds or (20 if args.quick else 100)
@@ -51,12 +75,18 @@ def main() -> None:
         print(format_table(workload.name, results), flush=True)
         plain, watched = host_syncs_between_flushes(workload, device)
         print(f"host syncs in 8 non-flush steps: unmonitored {plain}, gradwatch {watched}")
-        report["workloads"][workload.name] = {
-            r.name: {"median_ms": r.median * 1e3, "ratio": r.median / results[0].median,
-                     "paired_ratio": paired_ratio(r, results[0]),
-                     "mean_ratio": r.mean / results[0].mean, "buffer_bytes": r.buffer_bytes}
-            for r in results
-        }  # fmt: skip
+        report["workloads"][workload.name] = _figures(results)
+        if not args.skip_ops:
+            report["workloads"][workload.name]["aten_ops_per_step"] = op_table(workload, device)
+
+    if not args.skip_real:
+        real_rounds = max(rounds // 3, 8)
+        print(f"\n# real architectures built from configs ({real_rounds} rounds; AdamW as in the tables above)")
+        report["real_models"] = {}
+        for workload in W.real_models():
+            results = measure(workload, REAL_MODEL_CONTENDERS, real_rounds, 3, device)
+            print(format_table(workload.name, results), flush=True)
+            report["real_models"][workload.name] = _figures(results)
 
     if not args.skip_scaling:
         print("\n## overhead against depth (MLP width 256, batch 128, flush_every=50)")
@@ -87,6 +117,15 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def _figures(results) -> dict:
+    base = results[0]
+    return {
+        r.name: {"median_ms": r.median * 1e3, "ratio": r.median / base.median, "paired_ratio": paired_ratio(r, base),
+                 "mean_ratio": r.mean / base.mean, "buffer_bytes": r.buffer_bytes}
+        for r in results
+    }  # fmt: skip
 
 
 if __name__ == "__main__":

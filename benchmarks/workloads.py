@@ -83,3 +83,100 @@ def transformer(d_model: int = 256, seq: int = 64, batch: int = 16, layers: int 
 
 def standard() -> list[Workload]:
     return [mlp(), resnet(), transformer()]
+
+
+# ---------------------------------------------------------------- real architectures
+# Built from configs (random weights, no downloads) at batch sizes people train them with.
+
+
+class _BasicBlock(nn.Module):
+    """torchvision's ResNet BasicBlock (torchvision itself cannot load beside this torch build)."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+def resnet18_model(classes: int = 200) -> nn.Module:
+    """ResNet-18 as torchvision builds it (11.3M parameters with a 200-class head)."""
+    layers: list[nn.Module] = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
+                               nn.MaxPool2d(3, 2, 1)]  # fmt: skip
+    cin = 64
+    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [_BasicBlock(cin, cout, stride), _BasicBlock(cout, cout, 1)]
+        cin = cout
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes))
+
+
+def resnet18(batch: int = 32, size: int = 64) -> Workload:
+    """ResNet-18 on 64x64 images (Tiny-ImageNet-sized), batch 32."""
+
+    def make_batch(device: torch.device):
+        return torch.randn(batch, 3, size, size, device=device), torch.randint(0, 200, (batch,), device=device)
+
+    return Workload(f"resnet18-{size}px-b{batch}", resnet18_model, make_batch, nn.functional.cross_entropy)
+
+
+def gpt2_small(batch: int = 4, seq: int = 128) -> Workload:
+    """A small GPT-2 from transformers' config (6 layers, d_model 384, 6 heads; tied embeddings)."""
+
+    def make_model() -> nn.Module:
+        import transformers
+
+        config = transformers.GPT2Config(vocab_size=8192, n_positions=seq, n_embd=384, n_layer=6, n_head=6,
+                                         bos_token_id=0, eos_token_id=0)  # fmt: skip
+        return _LogitsOnly(transformers.GPT2LMHeadModel(config))
+
+    def make_batch(device: torch.device):
+        ids = torch.randint(0, 8192, (batch, seq), device=device)
+        return ids, ids
+
+    def loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+    return Workload(f"gpt2-6x384-b{batch}x{seq}", make_model, make_batch, loss)
+
+
+def vit_tiny(batch: int = 8, size: int = 224) -> Workload:
+    """ViT-Ti/16 from transformers' config (12 layers, hidden 192, 3 heads), 224x224 images."""
+
+    def make_model() -> nn.Module:
+        import transformers
+
+        config = transformers.ViTConfig(image_size=size, patch_size=16, hidden_size=192, num_hidden_layers=12,
+                                        num_attention_heads=3, intermediate_size=768, num_labels=100)  # fmt: skip
+        return _LogitsOnly(transformers.ViTForImageClassification(config))
+
+    def make_batch(device: torch.device):
+        return torch.randn(batch, 3, size, size, device=device), torch.randint(0, 100, (batch,), device=device)
+
+    return Workload(f"vit-ti16-{size}px-b{batch}", make_model, make_batch, nn.functional.cross_entropy)
+
+
+class _LogitsOnly(nn.Module):
+    """A Hugging Face model whose forward returns the logits tensor."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x).logits
+
+
+def real_models() -> list[Workload]:
+    return [resnet18(), gpt2_small(), vit_tiny()]

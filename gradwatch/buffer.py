@@ -100,6 +100,15 @@ class StatBuffer:
             rows = self._rows[name] = list(self._views[name].unbind(0))
         return rows[index]
 
+    def host_view(self, name: str) -> np.ndarray | None:
+        """A state as a numpy array sharing its memory (CPU buffers only; None elsewhere).
+
+        Made once: reading it later is a plain memory read, not a device sync.
+        """
+        if self.device.type != "cpu":
+            return None
+        return self._views[name].numpy()
+
     def layout(self) -> list[tuple[str, tuple[int, ...], str]]:
         """(name, shape, reduce) of every state, in storage order: the same on every rank."""
         states = sorted(self._states.values(), key=lambda s: s.offset)

@@ -70,7 +70,9 @@ class HealthChecks:
     # --------------------------------------------------------------- checks
     def _nonfinite(self, w: Window, skipped: np.ndarray) -> list[Finding]:
         out_bad = w.out_seen & ~np.isfinite(w.out_grad_norm)
-        grad_bad = (w.nonfinite > 0) | out_bad
+        # A non-finite sum of squares is a non-finite gradient (finite ones are summed exactly,
+        # whatever their size), also on steps where the elements were not counted.
+        grad_bad = (w.nonfinite > 0) | out_bad | (w.has_grad & ~np.isfinite(w.grad_norm))
         fwd_bad = w.fwd_nonfinite
         for t in range(len(w.steps)):
             if not (fwd_bad[t].any() or grad_bad[t].any()):
@@ -78,6 +80,8 @@ class HealthChecks:
             if skipped[t] and not fwd_bad[t].any():
                 continue  # a GradScaler skip, reported as such
             fwd_order, bwd_order = w.step_orders[t] if t < len(w.step_orders) else ([], [])
+            if not bwd_order:  # no output-gradient hooks that step: backward runs in reverse
+                bwd_order = list(reversed(fwd_order))
             if fwd_bad[t].any():
                 origin = _first_in(fwd_order, fwd_bad[t])
                 detail = f"origin: first non-finite forward output, in layer {w.layers[origin]}"
@@ -86,7 +90,8 @@ class HealthChecks:
                 detail = f"origin: first non-finite gradient in backward order, in layer {w.layers[origin]}"
             # The value is the number of non-finite gradient elements that step, or,
             # when only outputs/output gradients were non-finite, the layers affected.
-            count = float(np.nansum(w.nonfinite[t]))
+            counted = w.nonfinite_counted is None or bool(w.nonfinite_counted[t])
+            count = float(np.nansum(w.nonfinite[t])) if counted else 0.0
             if count == 0:
                 count = float(np.sum(fwd_bad[t] | grad_bad[t]))
             return [Finding("nonfinite", w.layers[origin], w.steps[t], count, 0.0, detail)]

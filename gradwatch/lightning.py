@@ -54,6 +54,8 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
             (default: ``<trainer.default_root_dir>/gradwatch``).
         histograms: also write per-layer gradient histograms at each flush
             (copies every gradient to the host; off by default).
+        detail: ``"standard"`` (default: every step grad_norm and the non-finite checks,
+            every statistic on sampled steps) or ``"full"`` (every statistic at every step).
     """
 
     def __init__(
@@ -64,8 +66,14 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
         exclude: Union[str, list[str], None] = None,
         logdir: Optional[str] = None,
         histograms: bool = False,
+        detail: str = "standard",
     ) -> None:
         super().__init__()
+        from .monitor import DETAILS
+
+        if detail not in DETAILS:
+            raise ValueError(f"detail must be one of {list(DETAILS)}, got {detail!r}")
+        self.detail = detail
         if not isinstance(flush_every, int) or isinstance(flush_every, bool) or flush_every < 1:
             raise ValueError(f"flush_every must be an int >= 1 (optimizer steps per flush), got {flush_every!r}")
         if config is not None and not isinstance(config, HealthConfig):
@@ -96,6 +104,7 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
             histograms=self.histograms,
             sync_dist=trainer.world_size > 1,
             optimizer=trainer.optimizers[0] if trainer.optimizers else None,
+            detail=self.detail,
         )
         if self._pending_state is not None:
             monitor.load_state_dict(self._pending_state)

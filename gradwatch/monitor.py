@@ -24,6 +24,11 @@ log = logging.getLogger("gradwatch")
 
 _STATE_VERSION = 1
 
+#: detail -> every how many steps (from each window's first) every statistic is recorded.
+#: "standard" records grad_norm and the non-finite checks at every step and the rest
+#: (grad_max, out_grad_norm, dead-unit evidence) at steps 0, 25, ... of each window.
+DETAILS = {"standard": 25, "full": 1}
+
 
 class GradMonitor:
     """Per-layer gradient statistics, kept on the device, flushed every ``flush_every`` steps.
@@ -46,6 +51,7 @@ class GradMonitor:
         histograms: bool = False,
         sync_dist: bool | None = None,
         optimizer: Any = None,
+        detail: str = "standard",
     ) -> None:
         if not isinstance(flush_every, int) or isinstance(flush_every, bool) or flush_every < 1:
             raise ValueError(f"flush_every must be an int >= 1 (steps per flush), got {flush_every!r}")
@@ -59,10 +65,17 @@ class GradMonitor:
             raise TypeError(
                 f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}"
             )
+        if detail not in DETAILS:
+            raise ValueError(
+                f"detail must be one of {list(DETAILS)}: 'standard' (the default, meant to stay on: every step "
+                f"has grad_norm and the non-finite checks, some steps every statistic) or 'full' (every "
+                f"statistic at every step), got {detail!r}"
+            )
         if sync_dist is not None and not isinstance(sync_dist, bool):
             raise TypeError(f"sync_dist must be True, False or None (automatic), got {sync_dist!r}")
         self.config = config
         self.flush_every = flush_every
+        self.detail = detail
         self.histograms = bool(histograms)
         self._scaler = scaler
         self._layer_specs = discover_layers(model, include, exclude)
@@ -92,6 +105,7 @@ class GradMonitor:
             project_units=config.dead_eps == 0,
             world_size=world,
             track_updates=optimizer is not None,
+            sample_every=DETAILS[detail],
         )
         self._updates: UpdateRatio | None = None
         if optimizer is not None:

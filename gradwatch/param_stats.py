@@ -28,16 +28,20 @@ float64), so a finite gradient always gets a finite, exact norm.
 
 from __future__ import annotations
 
-from collections import defaultdict
+import functools
+import math
+import operator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from .devices import host_to_device
 from .layers import LayerSpec
 from .sharding import is_dtensor, local_piece
 
 _INF = float("inf")
+_is_none = functools.partial(operator.is_, None)
 
 # CPU float32 tensors at least this large go to CpuBlasStats; smaller ones (biases,
 # norms) to one foreach call per group, which saves a Python dispatch per tensor.
@@ -54,6 +58,9 @@ class StepRows:
     sq: torch.Tensor
     max: torch.Tensor | None  # None: max |g| not recorded this step
     nonfinite: torch.Tensor
+    count: bool = True  # False: accelerators skip the non-finite count (finite-or-not stays in sq)
+    #: CPU buffers: ``sq`` as a numpy view made once, for the host check of the results
+    sq_host: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self._slices: dict[tuple[int, int], "StepRows"] = {}
@@ -63,7 +70,10 @@ class StepRows:
         key = (cols.start, cols.stop)
         part = self._slices.get(key)
         if part is None:
-            part = StepRows(self.sq[cols], None if self.max is None else self.max[cols], self.nonfinite[cols])
+            part = StepRows(
+                self.sq[cols], None if self.max is None else self.max[cols], self.nonfinite[cols], self.count,
+                None if self.sq_host is None else self.sq_host[cols],
+            )  # fmt: skip
             if len(self._slices) < 64:
                 self._slices[key] = part
         return part
@@ -110,18 +120,19 @@ class ForeachStats:
 
     def reduce(self, grads: list[torch.Tensor], rows: StepRows, cpu: "_CpuSlots | None") -> None:
         """Fill ``rows`` (this group's columns) for ``grads``; ``cpu``: result slots of the CPU path."""
-        if cpu is not None:  # CPU: float32 into host slots, checked on the host
-            sq, _, _ = cpu.head(len(grads))
-            torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32), out=sq)
-            sq.square_()
-            rows.sq.copy_(sq)
+        if cpu is not None:  # CPU: float32 norms, squared into the float64 row, checked on the host
+            norms, _, _ = cpu.head(len(grads))
+            # stack into float32 (a float64 out= costs ~6x as much), square into the row
+            torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32), out=norms)
+            torch.square(norms, out=rows.sq)
             cpu.fix(grads, rows)
             if rows.max is not None:
                 rows.max.copy_(_cpu_abs_max(grads))
             return
         torch.stack(torch._foreach_norm(grads, 2, dtype=self.acc_dtype), out=rows.sq)
         rows.sq.square_()
-        rows.nonfinite.copy_(nonfinite_counts(grads))
+        if rows.count:
+            rows.nonfinite.copy_(nonfinite_counts(grads))
         if rows.max is not None:
             torch.stack(torch._foreach_norm(grads, _INF, dtype=self.acc_dtype), out=rows.max)
 
@@ -175,9 +186,12 @@ class _CpuSlots:
         return heads
 
     def fix(self, grads: list[torch.Tensor], rows: StepRows) -> None:
-        """Where a float32 sum of squares is not finite: count the non-finite elements exactly,
-        and for a finite gradient whose squares overflowed float32, write its float64 sum."""
-        bad = np.flatnonzero(~np.isfinite(self.sq_host[: len(grads)]))
+        """Where a float32 result is not finite: count the non-finite elements exactly, and for a
+        finite gradient whose squares overflowed float32, write its float64 sum of squares."""
+        values = rows.sq_host if rows.sq_host is not None else rows.sq.numpy()
+        if math.isfinite(values.sum()):  # one numpy call in the common case (squares of float32 fit)
+            return
+        bad = np.flatnonzero(~np.isfinite(values))
         if not len(bad):
             return
         counts = nonfinite_counts([grads[b] for b in bad]).tolist()
@@ -188,16 +202,29 @@ class _CpuSlots:
                 rows.sq[b] = norm.to(rows.sq.dtype).square()
 
 
+@dataclass
+class _Group:
+    """Parameters reduced together: one strategy, one contiguous slice of columns."""
+
+    key: tuple | None  # (device, dtype, large CPU float32); None: reduced one by one (DTensors, sparse)
+    cols: slice
+    params: list[torch.nn.Parameter]
+
+
 class ParamStats:
     """Per-tensor sum of squares, max |g| and non-finite count of the layers' parameter gradients."""
 
     def __init__(self, layers: list[LayerSpec], device: torch.device, world_size: int = 1) -> None:
         params: list[torch.nn.Parameter] = []
         owner: list[int] = []
+        sparse_capable: set[int] = set()
         for index, layer in enumerate(layers):
+            may_be_sparse = bool(getattr(layer.module, "sparse", False))  # Embedding(sparse=True)
             for p in layer.params:
                 params.append(p)
                 owner.append(index)
+                if may_be_sparse:
+                    sparse_capable.add(id(p))
         self.n_layers = len(layers)
         self.world_size = max(int(world_size), 1)
         self.sharded = any(is_dtensor(p) for p in params)
@@ -205,22 +232,24 @@ class ParamStats:
         self._foreach = ForeachStats(torch.float32 if device.type == "mps" else torch.float64)
         self._blas = CpuBlasStats()
         # Columns ordered by group (device, dtype, strategy): each group a contiguous slice.
-        keys = [_group_key(p) for p in params]
+        keys = [None if id(p) in sparse_capable else _group_key(p) for p in params]
         order = sorted(range(len(params)), key=lambda j: (keys[j] is None, str(keys[j]), j))
         self.params = [params[j] for j in order]
         self.param_layer = np.array([owner[j] for j in order], dtype=np.int64)
         self.numel = np.array([_global_numel(p) for p in self.params], dtype=np.int64)
         self.ndim = np.array([p.ndim for p in self.params], dtype=np.int64)
-        self._groups: list[tuple[tuple, slice]] = []
-        start = 0
         ordered_keys = [keys[j] for j in order]
-        for j in range(1, len(self.params) + 1):
-            if j == len(self.params) or ordered_keys[j] != ordered_keys[start]:
-                self._groups.append((ordered_keys[start], slice(start, j)))
-                start = j
-        cpu_sizes = [s.stop - s.start for key, s in self._groups if key is not None and key[0].type == "cpu"]
+        self._groups = self._make_groups(ordered_keys)
+        # Steps without max |g| (detail="standard", unsampled) need sums of squares only: one
+        # foreach kernel per (device, dtype), large CPU tensors included (one op instead of a
+        # view and a dot per tensor; foreach_norm reads a cold tensor about as fast).
+        self._light_groups = self._make_groups([None if k is None else (k[0], k[1], False) for k in ordered_keys])
+        cpu_sizes = [g.cols.stop - g.cols.start for g in self._groups if g.key is not None and g.key[0].type == "cpu"]
         self._slots = _CpuSlots(max(cpu_sizes, default=0))
         self._weights: dict[tuple, torch.Tensor] = {}
+
+    def _make_groups(self, keys: list) -> list[_Group]:
+        return [_Group(key, cols, self.params[cols]) for key, cols in _contiguous_groups(keys)]
 
     @property
     def n_params(self) -> int:
@@ -228,34 +257,34 @@ class ParamStats:
 
     def strategy_of(self, column: int) -> str:
         """The name of the strategy that reduces column ``column`` when its gradient is dense."""
-        for key, cols in self._groups:
-            if cols.start <= column < cols.stop:
-                return self._blas.name if key is not None and key[2] else self._foreach.name
+        for group in self._groups:
+            if group.cols.start <= column < group.cols.stop:
+                return self._blas.name if group.key is not None and group.key[2] else self._foreach.name
         raise IndexError(column)
 
-    def record(self, rows: StepRows) -> np.ndarray:
-        """Write this step's per-tensor partials into ``rows``; returns 1 where a gradient was present."""
+    def record(self, rows: StepRows, present: np.ndarray) -> None:
+        """Write this step's per-tensor partials into ``rows``; set ``present`` to 1 where a gradient was."""
         with torch.no_grad():  # gradients made with create_graph=True require grad themselves
-            return self._record(rows)
+            self._record(rows, present)
 
-    def _record(self, rows: StepRows) -> np.ndarray:
-        present = np.zeros(len(self.params), dtype=np.int64)
-        weights: list[float] = []
-        for key, cols in self._groups:
-            grads = [p.grad for p in self.params[cols]]
-            if key is not None and all(g is not None and not g.is_sparse for g in grads):
-                present[cols] = 1
-                self._reduce(key, grads, rows.part(cols))
+    def _record(self, rows: StepRows, present: np.ndarray) -> None:
+        # Every Python operation here runs right after backward has evicted the interpreter's
+        # working set from the caches, at ~10x its usual price: the common case is kept short.
+        weights: list[tuple[int, float]] = []
+        for group in self._groups if rows.max is not None else self._light_groups:
+            grads = [p.grad for p in group.params]
+            if group.key is not None and not any(map(_is_none, grads)):
+                present[group.cols] = 1
+                self._reduce(group.key, grads, rows.part(group.cols))
                 continue
             # Some gradients missing, sparse or sharded: reduce those present one by one.
             for offset, g in enumerate(grads):
                 if g is None:
                     continue
-                column = cols.start + offset
-                weight = 1.0
+                column = group.cols.start + offset
                 if is_dtensor(g):
                     g, weight = local_piece(g, self.world_size)
-                    weights.append((column, weight))  # type: ignore[arg-type]
+                    weights.append((column, weight))
                 if g.is_sparse:
                     g = g.coalesce()._values()
                 present[column] = 1
@@ -264,7 +293,6 @@ class ParamStats:
                 self._reduce(_group_key(g, dense=True), [g], rows.part(slice(column, column + 1)))
         if self.sharded:
             self._apply_weights(rows, weights)
-        return present
 
     def _reduce(self, key: tuple, grads: list[torch.Tensor], rows: StepRows) -> None:
         device, _, large = key
@@ -285,7 +313,7 @@ class ParamStats:
             values = np.full(len(self.params), 1.0 / self.world_size)
             for column, weight in weights:
                 values[column] = weight
-            tensor = torch.as_tensor(values, dtype=rows.sq.dtype).to(rows.sq.device)
+            tensor = host_to_device(values, rows.sq.device, rows.sq.dtype)
             if len(self._weights) < 16:
                 self._weights[key] = tensor
         rows.sq.mul_(tensor)
@@ -299,6 +327,18 @@ class ParamStats:
         """Forget the parameters (close())."""
         self.params = []
         self._groups = []
+        self._light_groups = []
+
+
+def _contiguous_groups(keys: list) -> list[tuple[tuple | None, slice]]:
+    """(key, columns) of each run of equal keys (the columns are sorted by key)."""
+    groups: list[tuple[tuple | None, slice]] = []
+    start = 0
+    for j in range(1, len(keys) + 1):
+        if j == len(keys) or keys[j] != keys[start]:
+            groups.append((keys[start], slice(start, j)))
+            start = j
+    return groups
 
 
 def _group_key(p: torch.Tensor, dense: bool = False) -> tuple | None:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .buffer import StatBuffer
-from .devices import BoundedCache, IndexCache
+from .devices import BoundedCache, IndexCache, host_to_device
 from .layers import LayerSpec
 from .param_stats import ParamStats, StepRows
 from .window import Window
@@ -44,6 +44,7 @@ UPDATE_SEEN = "update_seen"  # host [F + 1, P] ranks on which the tensor was mea
 # Fold queued hook results into the buffer once this many are queued, so that
 # forward/backward without step() cannot grow memory.
 _MAX_PENDING_PER_LAYER = 16
+_MAX_PENDING_FORWARD = 4096
 
 
 class Recorder:
@@ -58,6 +59,7 @@ class Recorder:
         project_units: bool = True,
         world_size: int = 1,
         track_updates: bool = False,
+        sample_every: int = 1,
     ) -> None:
         self.layers = layers
         self.names = [layer.name for layer in layers]
@@ -105,6 +107,12 @@ class Recorder:
         self._host = buffer.host
 
         self.slot = 0
+        # Sampled steps record every statistic; the others (detail="standard") record the
+        # per-tensor sums of squares and the forward check only. Slot 0 of every window is
+        # sampled, so every window has output-gradient statistics and dead-unit evidence.
+        self.sample_every = max(1, int(sample_every))
+        self.sampled_slots = np.arange(F) % self.sample_every == 0
+        self.sampling = True  # whether the current step is a sampled one
         self.update_steps: list[int] = []  # the optimizer step each update row describes
         self._update_weights: torch.Tensor | None = None  # per-column weights when sharded
         self.forward_order: list[int] = []
@@ -113,8 +121,11 @@ class Recorder:
         # (forward order, backward order) of each step of the window, for naming
         # the origin of non-finite values.
         self.step_orders: list[tuple[list[int], list[int]]] = []
+        # The forward sums of the window, with their flat positions (slot * layers + layer) in
+        # FWD_SUM: reduced into the buffer once per window (or every _MAX_PENDING_FORWARD).
         self._fwd_sums: list[torch.Tensor] = []
-        self._fwd_layer: list[int] = []
+        self._fwd_pos: list[int] = []
+        self._fwd_base = 0  # slot * layers of the current step
         self._pending_layer: list[int] = []  # the layer of each queued output-gradient call
         self._sq = _CallSums(device, _MAX_PENDING_PER_LAYER * n + 1)
         self._units: list[torch.Tensor] = []  # per-unit dead-test vectors
@@ -122,14 +133,20 @@ class Recorder:
         self._weights = _ProjectionWeights()
         # key: the layer of each queued call, in order
         self._call_layers = IndexCache(device)  # -> that layer index per call
+        self._fwd_index = IndexCache(device, limit=8)  # a window's forward positions -> index tensor
         self._call_units = IndexCache(device)  # -> the buffer offsets of each call's units
         self._call_counts = BoundedCache()  # -> calls per layer (np.add.at costs ~70 us a call)
         self._grad_hooks: dict[tuple[int, int, int], Callable] = {}
         self._failures: set[str] = set()
         self._mismatch_logged: set[int] = set()
-        rows = [StepRows(buffer.row(PARAM_SQ, t), buffer.row(PARAM_MAX, t), buffer.row(PARAM_NONFINITE, t))
-                for t in range(F)]  # fmt: skip
-        self._param_rows = rows
+        # Unsampled steps leave max |g| (and, on accelerators, the non-finite count) out.
+        sq_host = buffer.host_view(PARAM_SQ)  # CPU buffers: numpy views made once
+        self._param_rows = [
+            StepRows(buffer.row(PARAM_SQ, t), buffer.row(PARAM_MAX, t) if self.sampled_slots[t] else None,
+                     buffer.row(PARAM_NONFINITE, t), count=bool(self.sampled_slots[t]),
+                     sq_host=None if sq_host is None else sq_host[t])
+            for t in range(F)
+        ]  # fmt: skip
 
     # ----------------------------------------------------------------- hooks
     def on_forward(self, index: int, out: torch.Tensor, extra: bool = False) -> None:
@@ -144,17 +161,23 @@ class Recorder:
             if out.ndim == 0 or units == 0 or out.shape[layer.unit_dim(out.ndim)] != units:
                 return
         # sum(out) is non-finite exactly when the output holds a NaN/Inf (or overflows
-        # float32, which is as alarming); fold() reduces the queued sums in one go.
-        total = out.detach().sum(dtype=torch.float32)
+        # float32, which is as alarming); fold() reduces the queued sums in one go. Grad mode
+        # off instead of detach(): one op per call fewer, and no autograd node.
+        set_grad = torch._C._set_grad_enabled
+        set_grad(False)
+        try:
+            total = out.sum(dtype=torch.float32)
+        finally:
+            set_grad(True)
         if total.device != self.device:  # a model spread over several devices
             total = total.to(self.device, non_blocking=True)
         self._fwd_sums.append(total)
-        self._fwd_layer.append(index)
-        if len(self._fwd_sums) > _MAX_PENDING_PER_LAYER * len(self.layers):
-            self.fold()
+        self._fwd_pos.append(self._fwd_base + index)
+        if len(self._fwd_sums) >= _MAX_PENDING_FORWARD:
+            self._fold_forward()
         if not extra and len(self.forward_order) < 4 * len(self.layers):
             self.forward_order.append(index)
-        if out.requires_grad:
+        if out.requires_grad and self.sampling:  # unsampled steps register no tensor hook at all
             units = int(out.shape[layer.unit_dim(out.ndim)]) if out.ndim else 1
             hook = self._grad_hooks.get((index, out.ndim, units))
             if hook is None:
@@ -216,17 +239,21 @@ class Recorder:
             )
 
     # ------------------------------------------------------------------ step
+    def _fold_forward(self) -> None:
+        """Add the queued forward sums into FWD_SUM: three ops for a window's worth of calls."""
+        if not self._fwd_sums:
+            return
+        # Each cell accumulates the sums of a layer's outputs in a step: it is non-finite exactly
+        # where some call produced a NaN/Inf; read as such on the host at flush.
+        index = self._fwd_index.get(tuple(self._fwd_pos))
+        sums = torch.stack(self._fwd_sums).to(self._dtype)
+        self.buffer[FWD_SUM].view(-1).index_add_(0, index, sums)
+        self._fwd_sums.clear()
+        self._fwd_pos.clear()
+
     def fold(self) -> None:
-        """Reduce the queued forward sums and output-gradient partials into the current step's row."""
+        """Reduce the queued output-gradient partials into the current step's row."""
         slot = self.slot
-        if self._fwd_sums:
-            index = self._call_layers.get(tuple(self._fwd_layer))
-            # The row accumulates the sums of the outputs: it is non-finite exactly where
-            # some call of the layer produced a NaN/Inf; read as such on the host at flush.
-            sums = torch.stack(self._fwd_sums).to(self._dtype)
-            self.buffer.row(FWD_SUM, slot).index_add_(0, index, sums)
-            self._fwd_sums.clear()
-            self._fwd_layer.clear()
         if not self._pending_layer:
             return
         layers_of = self._pending_layer
@@ -274,24 +301,26 @@ class Recorder:
         try:
             self.fold()
             rows = self._param_rows[slot]
-            present = self.param_stats.record(rows)
-            scale = self._scale_source() if params_scaled else None
-            if scale is not None:
-                scale = scale.to(self._dtype)
-                rows.sq.div_(scale.square())
-                if rows.max is not None:
-                    rows.max.div_(scale)
-            self._host[PARAM_PRESENT][slot] = present
+            self.param_stats.record(rows, self._host[PARAM_PRESENT][slot])
+            if params_scaled:
+                scale = self._scale_source()
+                if scale is not None:
+                    scale = scale.to(self._dtype)
+                    rows.sq.div_(scale.square())
+                    if rows.max is not None:
+                        rows.max.div_(scale)
         except Exception:
             self._host[STEP_FAILED][slot] = 1
             raise
         finally:
-            self.step_orders.append((_first_seen(self.forward_order), self.backward_order))
+            self.step_orders.append((self.forward_order, self.backward_order))  # deduplicated at flush
             self.forward_order = []
             self.backward_order = []
             self._backward_seen = set()
-            self.discard_pending()
+            self.discard_pending(keep_forward=True)
             self.slot = slot + 1
+            self._fwd_base = self.slot * len(self.names)
+            self.sampling = bool(self.sampled_slots[self.slot]) if self.slot < self.flush_every else True
 
     def write_update(
         self, step: int, columns: np.ndarray, index: torch.Tensor, update_sq: torch.Tensor, weight_sq: torch.Tensor
@@ -304,7 +333,7 @@ class Recorder:
         update, weight = update_sq.to(dtype), weight_sq.to(dtype)
         if self.param_stats.sharded:
             if self._update_weights is None:
-                self._update_weights = torch.as_tensor(self.param_stats.param_weights(), dtype=dtype).to(self.device)
+                self._update_weights = host_to_device(self.param_stats.param_weights(), self.device, dtype)
             scale = self._update_weights.index_select(0, index)
             update, weight = update * scale, weight * scale
         self.buffer.row(UPDATE_SQ, row).index_copy_(0, index, update)
@@ -320,6 +349,7 @@ class Recorder:
     def prepare_flush(self) -> None:
         """Fold what is queued and copy the host counts into the buffer, ready for the collective."""
         self.fold()
+        self._fold_forward()
         self.buffer.load_host_states()
 
     def snapshot(self, steps: list[int], dead_eps: float, scaler_in_use: bool) -> Window:
@@ -333,15 +363,18 @@ class Recorder:
         self.step_orders = []
         self.update_steps = []
         self.slot = 0
+        self._fwd_base = 0
+        self.sampling = True
 
-    def discard_pending(self) -> None:
-        """Forget hook results that no step() will claim."""
+    def discard_pending(self, keep_forward: bool = False) -> None:
+        """Forget hook results that no step() will claim (``keep_forward``: the window's forward sums stay)."""
         self._pending_layer.clear()
         self._sq.clear()
         self._units.clear()
         self._units_layer.clear()
-        self._fwd_sums.clear()
-        self._fwd_layer.clear()
+        if not keep_forward:
+            self._fwd_sums.clear()
+            self._fwd_pos.clear()
 
     def drop_references(self) -> None:
         """Forget the model (close()): modules, parameters and the hooks that hold them."""
@@ -375,10 +408,14 @@ def build_window(host: dict[str, np.ndarray], steps: list[int], rec: Recorder, d
         has_grad = (per_layer(present.astype(np.float64), "sum") > 0) & ok[:, None]
         sumsq = per_layer(sq_t, "sum")
         grad_norm = np.where(has_grad, np.sqrt(sumsq), np.nan)
+        sampled = rec.sampled_slots[:n]
         max_t = np.where(present, host[PARAM_MAX][:n], -np.inf)
-        grad_max = np.where(has_grad, per_layer(max_t, "max"), np.nan)
+        grad_max = np.where(has_grad & sampled[:, None], per_layer(max_t, "max"), np.nan)
         counts = np.rint(np.where(present, host[PARAM_NONFINITE][:n], 0.0))
         nonfinite = np.where(has_grad, per_layer(counts, "sum"), 0.0)
+        # Non-finite counts are exact on the CPU at every step (a host check of the sums);
+        # on accelerators they are taken on sampled steps, the others know "finite or not".
+        counted = sampled | (rec.device.type == "cpu")
         seen_out = (host[OUT_CALLS][:n] > 0) & ok[:, None]
         out_grad_norm = np.where(seen_out, np.sqrt(host[OUT_SQ][:n]), np.nan)
         global_norm = np.sqrt(np.where(has_grad, sumsq, 0.0).sum(axis=1))
@@ -439,9 +476,11 @@ def build_window(host: dict[str, np.ndarray], steps: list[int], rec: Recorder, d
         param_numel=rec.param_numel.copy(),
         dead_fraction=dead,
         global_grad_norm=global_norm,
-        step_orders=list(rec.step_orders[:n]),
+        step_orders=[(_first_seen(fwd), bwd) for fwd, bwd in rec.step_orders[:n]],
         skipped=skipped,
         rows_seen=rows_seen,
+        sampled=sampled.copy(),
+        nonfinite_counted=counted.copy(),
         update_steps=update_steps,
         update_ratio=update_ratio,
         judged_update_ratio=judged_ratio,

@@ -34,6 +34,11 @@ class Window:
     #: [layer] output-gradient rows (samples x positions, over calls, micro-batches and
     #: ranks) behind each layer's dead_fraction in this window
     rows_seen: np.ndarray | None = None
+    #: bool [step]: every statistic was recorded (detail="standard" samples some steps;
+    #: the others have grad_norm, the forward check and no grad_max / output gradients)
+    sampled: np.ndarray | None = None
+    #: bool [step]: ``nonfinite`` holds exact counts (else only whether grad_norm is finite)
+    nonfinite_counted: np.ndarray | None = None
     #: optimizer steps at which the update-to-weight ratio was measured (with an optimizer)
     update_steps: list[int] = field(default_factory=list)
     #: [update step, layer] ||w_after - w_before|| / ||w_before|| of the layer's own parameters

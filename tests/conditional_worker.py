@@ -67,15 +67,15 @@ def body(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = Routed()
     exclude = "expert" if mode == "mismatch" and rank == 1 else None
-    monitor = GradMonitor(model, flush_every=FLUSH_EVERY, exclude=exclude)
+    monitor = GradMonitor(model, flush_every=FLUSH_EVERY, exclude=exclude, detail="full")
     if mode == "fail" and rank == 1:
         record, calls = monitor._recorder.param_stats.record, [0]
 
-        def failing(rows):
+        def failing(rows, present):
             calls[0] += 1
             if calls[0] == 5:
                 raise RuntimeError("forced failure on rank 1")
-            return record(rows)
+            return record(rows, present)
 
         monitor._recorder.param_stats.record = failing
     retained: dict[str, list[torch.Tensor]] = {name: [] for name in LAYERS}

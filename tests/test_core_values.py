@@ -43,7 +43,7 @@ def test_every_statistic_at_every_step_matches_independent_computation(tmp_path,
     layers = {"inp": model.inp, "shared": model.shared, "head": model.head}
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2) if use_scaler else None
-    monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=4, scaler=scaler)
+    monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=4, scaler=scaler, detail="full")
     assert monitor.layers == ["inp", "shared", "head"]
     capture = RetainedOutputs(model, list(layers))
     expected: dict[int, dict] = {}
@@ -128,7 +128,7 @@ def test_large_sparse_and_intermittent_gradients_match_independent_computation(t
     # dense: steps 1 and 4 have every gradient (the planned grouping), the others not
     model = _LargeAndSparse(sparse)
     layers = {"embed": model.embed, "big": model.big, "head": model.head, "extra": model.extra}
-    monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=3)
+    monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=3, detail="full")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     expected: dict[int, dict] = {}
     for step in range(7):
@@ -173,7 +173,7 @@ def test_dead_fraction_written_once_per_window(tmp_path):
     with torch.no_grad():
         lin.bias[:4] = -100.0  # 4 of 10 units never activate: 40% dead
     model = nn.Sequential(lin, nn.ReLU(), nn.Linear(10, 1))
-    monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=5)
+    monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=5, detail="full")
     for _ in range(10):
         model(torch.randn(16, 8).abs()).sum().backward()
         monitor.step()
@@ -333,7 +333,7 @@ def test_layer_first_used_mid_window_keeps_other_layers_unit_counters():
             return out + self.b(x) if step >= 1 else out  # b: runs from step 1 on
 
     model = Late()
-    monitor = GradMonitor(model, flush_every=3)
+    monitor = GradMonitor(model, flush_every=3, detail="full")
     for step in range(3):
         model(torch.randn(5, 3), step).sum().backward()
         monitor.step()

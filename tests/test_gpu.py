@@ -14,7 +14,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 @cuda
-def test_no_host_sync_between_flushes_on_cuda():
+@pytest.mark.parametrize("detail", ["standard", "full"])
+def test_no_host_sync_between_flushes_on_cuda(detail):
     torch.manual_seed(0)
     device = torch.device("cuda")
     model = nn.Sequential(
@@ -22,7 +23,7 @@ def test_no_host_sync_between_flushes_on_cuda():
         nn.Flatten(), nn.Linear(8 * 64, 10),
     ).to(device)  # fmt: skip
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = GradMonitor(model, flush_every=10)
+    monitor = GradMonitor(model, flush_every=30, detail=detail, optimizer=opt)
     x, y = torch.randn(4, 3, 8, 8, device=device), torch.randint(0, 10, (4,), device=device)
 
     def step():
@@ -36,7 +37,7 @@ def test_no_host_sync_between_flushes_on_cuda():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(5):  # steps 3..7 of a 10-step window: none flushes
+        for _ in range(26):  # steps 3..28 of a 30-step window: none flushes; 25 is sampled
             step()
     finally:
         torch.cuda.set_sync_debug_mode("default")

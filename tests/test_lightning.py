@@ -38,7 +38,7 @@ def _trainer(tmp_path, callbacks, **kwargs):
 
 
 def test_one_record_per_optimizer_step_and_names_relative_to_module(tmp_path):
-    watch = GradWatch(flush_every=7)
+    watch = GradWatch(flush_every=7, detail="full")
     trainer = _trainer(tmp_path, [watch], val_check_interval=10, limit_val_batches=2, num_sanity_val_steps=2)
     trainer.fit(Regressor())
     scalars = read_scalars(str(tmp_path / "run"))
@@ -59,7 +59,9 @@ def test_accumulate_grad_batches_records_each_optimizer_step_once(tmp_path):
 
 
 def test_bf16_mixed_gives_finite_statistics(tmp_path):
-    trainer = _trainer(tmp_path, [GradWatch(flush_every=5)], max_steps=10, precision="bf16-mixed", limit_val_batches=0)
+    trainer = _trainer(
+        tmp_path, [GradWatch(flush_every=5, detail="full")], max_steps=10, precision="bf16-mixed", limit_val_batches=0
+    )
     trainer.fit(Regressor())
     scalars = read_scalars(str(tmp_path / "run"))
     values = [v for tag, s in scalars.items() if tag.startswith("gradwatch/") and "norm" in tag for v in s.values()]
@@ -215,7 +217,7 @@ def test_16_mixed_with_gradscaler_reports_unscaled_values(tmp_path, fused):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
     reference = _Reference(scaler)
     trainer = _trainer(
-        tmp_path, [reference, GradWatch(flush_every=4)], max_steps=8, limit_val_batches=0,
+        tmp_path, [reference, GradWatch(flush_every=4, detail="full")], max_steps=8, limit_val_batches=0,
         plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
     )  # fmt: skip
     trainer.fit(Model())

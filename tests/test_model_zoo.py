@@ -271,7 +271,7 @@ def test_torch_compile_runs_with_right_parameter_statistics(caplog):
 def test_validation_under_no_grad_interleaved_with_training():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-    monitor = GradMonitor(model, flush_every=4)
+    monitor = GradMonitor(model, flush_every=4, detail="full")
     reference = RetainedOutputs(model, ["0"])
     norms = []
     for _ in range(4):

@@ -100,10 +100,12 @@ class TensorBoardSink:
             self.writer.add_custom_scalars(custom_scalars_layout())
             self.writer.add_text(LAYERS_TAG, "\n\n".join(w.layers), first)
             self.layout_dir = self.log_dir or ""
-        per_step = {
+        sampled = w.sampled[:, None] if w.sampled is not None else True
+        counted = w.nonfinite_counted[:, None] if w.nonfinite_counted is not None else True
+        per_step = {  # each statistic where it was recorded
             "grad_norm": (w.grad_norm, w.has_grad),
-            "grad_max": (w.grad_max, w.has_grad),
-            "nonfinite": (w.nonfinite, w.has_grad),
+            "grad_max": (w.grad_max, w.has_grad & sampled),
+            "nonfinite": (w.nonfinite, w.has_grad & counted),
             "out_grad_norm": (w.out_grad_norm, w.out_seen),
         }
         tags = {stat: [tag(stat, name) for name in w.layers] for stat in per_step}
@@ -115,7 +117,8 @@ class TensorBoardSink:
                 values.extend((row_tags[i], float(row[i])) for i in np.flatnonzero(row_mask))
             if w.has_grad[t].any():  # the global norm exists exactly then
                 values.append((tag("grad_norm", ""), float(w.global_grad_norm[t])))
-                values.append((tag("nonfinite", ""), float(np.nansum(w.nonfinite[t]))))
+                if w.nonfinite_counted is None or w.nonfinite_counted[t]:
+                    values.append((tag("nonfinite", ""), float(np.nansum(w.nonfinite[t]))))
             if t == last:
                 for i in np.flatnonzero(np.isfinite(w.dead_fraction)):
                     values.append((tag("dead_fraction", w.layers[i]), float(w.dead_fraction[i])))

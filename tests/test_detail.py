@@ -1,0 +1,192 @@
+"""detail="standard" (the default) and "full": what each records, and what the default costs in ops.
+
+Op counts are deterministic (a TorchDispatchMode counts every aten op a step dispatches),
+so the default's budget is a test; its time is measured in benchmarks/.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gradwatch import GradMonitor
+
+from .conftest import read_scalars
+from .reference import RetainedOutputs
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _mlp():
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(512, 512), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(512, 10)), torch.randn(64, 512), torch.randint(0, 10, (64,))
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.head(self.encoder(x).mean(1))
+
+
+def _transformer():
+    # op counts do not depend on the batch or sequence length: a small one keeps the test fast
+    return _Encoder(), torch.randn(2, 16, 256), torch.randint(0, 10, (2,))
+
+
+def _ops_per_step(
+    make, monitored: bool, detail: str = "standard", window: int = 50, counted: int = 50
+) -> tuple[float, collections.Counter]:
+    """Mean aten ops per training step over ``counted`` steps from the start of a window (a whole
+    window: its sampled steps and its flush included), after a first window that builds caches."""
+    torch.manual_seed(0)
+    model, x, y = make()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    monitor = GradMonitor(model, flush_every=window, detail=detail) if monitored else None
+
+    def step():
+        nn.functional.cross_entropy(model(x), y).backward()
+        if monitor is not None:
+            monitor.step()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(window):
+        step()
+    counter = OpCounter()
+    with counter:
+        for _ in range(counted):
+            step()
+    if monitor is not None:
+        monitor.close()
+    return counter.count / counted, counter.ops
+
+
+@pytest.mark.parametrize("make", [_mlp, _transformer], ids=["mlp8x512-batch64", "transformer4x256-adam"])
+def test_default_adds_at_most_ten_percent_aten_ops_per_step(make):
+    plain, plain_ops = _ops_per_step(make, monitored=False, counted=10)  # the same every step
+    standard, standard_ops = _ops_per_step(make, monitored=True)
+    full, _ = _ops_per_step(make, monitored=True, detail="full", counted=10)
+    plain_ops = collections.Counter({op: n * 5 for op, n in plain_ops.items()})  # per 50 steps
+    extra = standard - plain
+    assert extra <= 0.10 * plain, (plain, standard, (standard_ops - plain_ops).most_common(10))
+    assert full - plain > 2 * extra  # the budget is met by reading less, not by counting differently
+
+
+def test_standard_records_grad_norm_every_step_and_the_rest_on_sampled_steps(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=30)  # detail="standard"
+    capture = RetainedOutputs(model, ["0", "2"])
+    expected, out_norms, alive = {}, {}, None
+    for step in range(60):
+        x = torch.randn(8, 6)
+        model(x).square().mean().backward()
+        expected[step] = {n: float(torch.linalg.vector_norm(torch.cat(
+            [p.grad.reshape(-1).double() for p in model.get_submodule(n).parameters()]))) for n in ("0", "2")}  # fmt: skip
+        out_norms[step] = {n: capture.norm(n) for n in ("0", "2")}
+        if step in (30, 55):  # the sampled steps of the second window
+            grad = capture.outputs["0"][0].grad
+            mask = (grad != 0).any(0)
+            alive = mask if alive is None else alive | mask
+        capture.clear()
+        monitor.step()
+        model.zero_grad()
+    monitor.close()
+    capture.remove()
+    scalars = read_scalars(str(tmp_path))
+    sampled = [0, 25, 30, 55]  # slot 0 and every 25th step of each 30-step window
+    for n in ("0", "2"):
+        assert sorted(scalars[f"gradwatch/grad_norm/{n}"]) == list(range(60))
+        for step, value in scalars[f"gradwatch/grad_norm/{n}"].items():
+            assert value == pytest.approx(expected[step][n], rel=1e-5)
+        assert sorted(scalars[f"gradwatch/out_grad_norm/{n}"]) == sampled
+        assert sorted(scalars[f"gradwatch/grad_max/{n}"]) == sampled
+        for step in sampled:
+            assert scalars[f"gradwatch/out_grad_norm/{n}"][step] == pytest.approx(out_norms[step][n], rel=1e-5)
+    # dead units over the samples of the sampled steps, from the test's own retained gradients
+    assert scalars["gradwatch/dead_fraction/0"][59] == pytest.approx(1 - float(alive.float().mean()))
+    assert np.isfinite(scalars["gradwatch/nonfinite/0"][1])  # exact counts on the CPU at every step
+
+
+def test_unsampled_steps_register_no_tensor_hooks():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    monitor = GradMonitor(model, flush_every=50)
+    hooked = []
+    for step in range(3):
+        out = model[0](torch.randn(2, 4))
+        hooked.append(bool(out._backward_hooks))
+        model[1](out).sum().backward()
+        monitor.step()
+        model.zero_grad()
+    assert hooked == [True, False, False]  # step 0 is sampled
+    monitor.close()
+
+
+def test_forward_nan_origin_is_named_on_unsampled_steps_too():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 1))
+    monitor = GradMonitor(model, flush_every=50)
+
+    def poison(module, args, output):
+        output = output.clone()
+        output[0, 0] = float("nan")
+        return output
+
+    for step in range(12):
+        handle = model[2].register_forward_hook(poison, prepend=True) if step == 7 else None
+        model(torch.randn(3, 4)).sum().backward()
+        if handle is not None:
+            handle.remove()
+        monitor.step()
+        model.zero_grad()
+    monitor.close()
+    nonfinite = [a for a in monitor.alerts if a.kind == "nonfinite"]
+    assert [(a.layer, a.step) for a in nonfinite] == [("2", 7)]
+
+
+def test_detail_is_checked():
+    with pytest.raises(ValueError, match="detail must be one of .*standard.*full"):
+        GradMonitor(nn.Linear(2, 2), detail="everything")
+    assert GradMonitor(nn.Linear(2, 2)).detail == "standard"
+
+
+@pytest.mark.parametrize("detail", ["standard", "full"])
+def test_no_host_sync_between_flushes_in_either_detail(monkeypatch, detail):
+    from .test_core_hygiene import _cnn, _train
+
+    torch.manual_seed(0)
+    model = _cnn()
+    opt = torch.optim.Adam(model.parameters())
+    baseline = _train(model, opt, None, 3, monkeypatch)
+    monitor = GradMonitor(model, flush_every=30, detail=detail)
+    _train(model, opt, monitor, 30, monkeypatch)  # first window, caches built, one flush
+    monitored = _train(model, opt, monitor, 28, monkeypatch)  # slots 0-27: sampled and unsampled steps
+    base_count = max(c for c, _ in baseline)
+    for count, ops in monitored:
+        assert count <= base_count, f"gradwatch read the device back between flushes: {ops}"
+    monitor.close()
+    assert not math.isnan(base_count)
