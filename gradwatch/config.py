@@ -27,12 +27,25 @@ class HealthConfig:
     exploding_factor: float = 10.0
     #: Steps before the relative exploding test starts (the baseline needs history).
     exploding_warmup_steps: int = 20
+    #: ... and at any step, warm-up included: a grad_norm at least this many times the
+    #: previous calm step's is exploding (a jump, not smooth growth).
+    exploding_jump: float = 1e4
     #: |output gradient| at or below this counts as zero for dead units.
     dead_eps: float = 0.0
     #: A dead_units alert fires when a layer's dead_fraction reaches this.
     dead_fraction: float = 0.5
     #: Layers with fewer units than this are not judged for dead units.
     dead_min_units: int = 4
+    #: Dead units are judged on at least this many output-gradient rows (samples x positions,
+    #: over calls, micro-batches and ranks); a layer that saw fewer in a window carries its
+    #: evidence into the next windows until it has them.
+    dead_min_samples: int = 32
+    #: Vanishing with an optimizer that normalises its step (Adam family, RMSprop, ...): only the
+    #: absolute floor applies. None: decided from the monitor's optimizer (none given: False).
+    normalised_optimizer: bool | None = None
+    #: A condition recovers after this many consecutive flushes clearly on the healthy side
+    #: (values near a threshold keep it active: one condition, not an alert per crossing).
+    recovery_flushes: int = 2
     #: update_ratio (with an optimizer): a layer whose weights change by more than this
     #: fraction of their norm in one optimizer step ...
     update_ratio_max: float = 0.2
@@ -63,6 +76,13 @@ class HealthConfig:
                 f"layer), got {self.vanishing_rel_rms!r}"
             )
         finite_positive("exploding_abs_norm")
+        finite_positive("exploding_jump")
+        if self.exploding_jump <= 1:
+            raise ValueError(f"HealthConfig.exploding_jump must be > 1, got {self.exploding_jump!r}")
+        if self.normalised_optimizer is not None and not isinstance(self.normalised_optimizer, bool):
+            raise TypeError(
+                f"HealthConfig.normalised_optimizer must be True, False or None, got {self.normalised_optimizer!r}"
+            )
         finite_positive("exploding_factor")
         if self.exploding_factor <= 1:
             raise ValueError(
@@ -76,9 +96,11 @@ class HealthConfig:
             )
         finite_positive("update_ratio_max")
         finite_positive("update_ratio_min_weight_rms", allow_zero=True)
-        if not isinstance(self.update_ratio_steps, int) or isinstance(self.update_ratio_steps, bool) or self.update_ratio_steps < 1:
-            raise ValueError(f"HealthConfig.update_ratio_steps must be an int >= 1, got {self.update_ratio_steps!r}")
-        for name in ("exploding_warmup_steps", "dead_min_units", "remind_every"):
+        for name in ("update_ratio_steps", "recovery_flushes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"HealthConfig.{name} must be an int >= 1, got {value!r}")
+        for name in ("exploding_warmup_steps", "dead_min_units", "dead_min_samples", "remind_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"HealthConfig.{name} must be an int >= 0, got {value!r}")

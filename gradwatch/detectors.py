@@ -1,12 +1,18 @@
-"""Health checks over one flushed window, vectorised over layers with numpy.
+"""Health checks over flushed windows, vectorised over layers with numpy.
 
 They run on the host at flush time only; the device keeps nothing but counters.
+Each check reports, per layer, what is *present* in a window (a finding) and
+what is *clearly clear* (evidence for a recovery); values in between are
+undecided, so a value hovering around a threshold stays one condition
+(``alerts.AlertTracker`` applies the hysteresis). Decisions rest on histories
+kept across windows, so they do not depend on ``flush_every``.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -19,41 +25,80 @@ log = logging.getLogger("gradwatch")
 
 # The exploding test compares a step with the largest of this many earlier calm steps.
 _RECENT_STEPS = 10
+# Vanishing is judged on the median of a layer's last steps (at least _VANISHING_MIN of them).
+_VANISHING_STEPS = 20
+_VANISHING_MIN = 5
+# Hysteresis: a condition is clear when the value is this far on the healthy side of its threshold.
+_VANISHING_CLEAR = 10.0  # one decade above the vanishing thresholds
+_DEAD_CLEAR = 0.8  # dead_fraction at most 0.8 x its threshold
+_DEAD_MIN_STEPS = 2  # dead units are judged on evidence from at least this many distinct steps
+_UPDATE_CLEAR = 0.5  # update ratio at most half its limit
+# Optimizers that normalise their step (the update hardly depends on the gradient's scale).
+_NORMALISING = ("adam", "rmsprop", "adagrad", "adadelta", "adafactor", "lamb", "lion", "sophia", "adan")
+
+
+def normalises_step(optimizer: Any) -> bool:
+    """Whether an optimizer normalises its step by the gradient's running magnitude (Adam family,
+    RMSprop, Adagrad, Adadelta, Adafactor, LAMB, Lion, ...): judged by its class name."""
+    name = type(getattr(optimizer, "optimizer", optimizer)).__name__.lower()  # accelerate wraps optimizers
+    return any(key in name for key in _NORMALISING)
+
+
+@dataclass
+class Assessment:
+    """One window's verdict: conditions present, and (kind, layer) pairs clearly healthy."""
+
+    findings: list[Finding] = field(default_factory=list)
+    clear: set[tuple[str, str]] = field(default_factory=set)
 
 
 class HealthChecks:
-    """Vanishing, exploding, dead-unit and non-finite checks with their baselines."""
+    """Vanishing, exploding, dead-unit, non-finite and update-ratio checks with their histories."""
 
-    def __init__(self, config: HealthConfig, layers: list[str]) -> None:
+    def __init__(self, config: HealthConfig, layers: list[str], normalised_steps: bool = False) -> None:
         self.config = config
         self.layers = layers
+        n = len(layers)
+        #: True when the optimizer normalises its step: then only the absolute vanishing floor applies.
+        self.normalised_steps = normalised_steps
         # Running maximum of earlier windows' median grad_norm, per layer and
         # (last entry) for the global norm; NaN until a window had data.
-        self.baseline = np.full(len(layers) + 1, np.nan)
+        self.baseline = np.full(n + 1, np.nan)
         # The last _RECENT_STEPS calm values per column (a ring per column; NaN: none yet).
-        self.recent = np.full((_RECENT_STEPS, len(layers) + 1), np.nan)
-        self.recent_slot = np.zeros(len(layers) + 1, dtype=np.int64)
+        self.recent = np.full((_RECENT_STEPS, n + 1), np.nan)
+        self.recent_slot = np.zeros(n + 1, dtype=np.int64)
+        self.last_calm = np.full(n + 1, np.nan)  # the latest calm value per column (step-to-step jumps)
+        # The last _VANISHING_STEPS gradient RMS values and ratios to the strongest layer, per layer.
+        self.rms_history = np.full((_VANISHING_STEPS, n), np.nan)
+        self.ratio_history = np.full((_VANISHING_STEPS, n), np.nan)
+        self.history_slot = 0
+        # Dead-unit evidence carried across windows until a layer has seen dead_min_samples rows
+        # from at least _DEAD_MIN_STEPS distinct steps.
+        self.alive: list[np.ndarray | None] = [None] * n
+        self.rows = np.zeros(n, dtype=np.int64)
+        self.dead_steps = np.zeros(n, dtype=np.int64)
         self.steps_seen = 0
         self.skipped_steps = 0
         # Per layer: consecutive measured optimizer steps with a judged update ratio above the limit.
-        self.update_streak = np.zeros(len(layers), dtype=np.int64)
+        self.update_streak = np.zeros(n, dtype=np.int64)
 
     # ------------------------------------------------------------------ API
-    def check(self, w: Window) -> list[Finding]:
-        """All findings of one window (de-duplication happens in AlertTracker)."""
+    def check(self, w: Window) -> Assessment:
+        """What one window shows (onsets, reminders and recoveries are AlertTracker's)."""
+        result = Assessment()
+        self._update_ratio(w, result)
         n = len(w.steps)
         if n == 0:  # only update-ratio measurements made after the previous window's last step
-            return self._update_ratio(w)
+            return result
         skipped = w.skipped if w.skipped is not None else np.zeros(n, dtype=bool)
-        findings: list[Finding] = []
-        findings += self._nonfinite(w, skipped)
+        self._nonfinite(w, skipped, result)
         valid = w.has_grad & ~skipped[:, None] & np.isfinite(w.grad_norm)
         with warnings.catch_warnings():  # all-NaN columns are layers without gradient
             warnings.simplefilter("ignore", RuntimeWarning)
-            findings += self._exploding(w, valid)
-            vanishing = self._vanishing(w, valid)
-        findings += vanishing + self._explained_by_vanishing(self._dead(w), vanishing)
-        findings += self._update_ratio(w)
+            self._exploding(w, valid, result)
+            vanishing = self._vanishing(w, valid, result)
+        dead = self._dead(w, result)
+        self._root_causes(result, vanishing, dead)
         n_skipped = int(skipped.sum())
         if n_skipped:
             self.skipped_steps += n_skipped
@@ -65,10 +110,10 @@ class HealthChecks:
                 w.steps[-1],
             )
         self.steps_seen += n
-        return findings
+        return result
 
     # --------------------------------------------------------------- checks
-    def _nonfinite(self, w: Window, skipped: np.ndarray) -> list[Finding]:
+    def _nonfinite(self, w: Window, skipped: np.ndarray, result: Assessment) -> None:
         out_bad = w.out_seen & ~np.isfinite(w.out_grad_norm)
         # A non-finite sum of squares is a non-finite gradient (finite ones are summed exactly,
         # whatever their size), also on steps where the elements were not counted.
@@ -94,10 +139,11 @@ class HealthChecks:
             count = float(np.nansum(w.nonfinite[t])) if counted else 0.0
             if count == 0:
                 count = float(np.sum(fwd_bad[t] | grad_bad[t]))
-            return [Finding("nonfinite", w.layers[origin], w.steps[t], count, 0.0, detail)]
-        return []
+            result.findings.append(Finding("nonfinite", w.layers[origin], w.steps[t], count, 0.0, detail))
+            return
+        result.clear.update(("nonfinite", name) for name in self.layers + [""])
 
-    def _exploding(self, w: Window, valid: np.ndarray) -> list[Finding]:
+    def _exploding(self, w: Window, valid: np.ndarray, result: Assessment) -> None:
         cfg = self.config
         norms = np.where(valid, w.grad_norm, np.nan)
         glob_valid = valid.any(axis=1) & np.isfinite(w.global_grad_norm)
@@ -105,20 +151,27 @@ class HealthChecks:
         table = np.concatenate([norms, glob[:, None]], axis=1)  # [steps, layers + 1]
         names = self.layers + [""]
 
-        ceiling = self._causal_ceilings(table)
+        ceiling, jump_ceiling = self._causal_ceilings(table)
         over_rel, over_abs = self._exceeds(table, ceiling)
-        over = over_rel | over_abs
+        with np.errstate(invalid="ignore"):
+            over_jump = table >= jump_ceiling
+        over = over_rel | over_abs | over_jump
         findings = []
         for j in np.flatnonzero(over.any(axis=0)):
             t = int(np.argmax(over[:, j]))
             value = float(table[t, j])
             if over_abs[t, j]:
                 threshold, why = cfg.exploding_abs_norm, "above the absolute ceiling"
+            elif over_jump[t, j]:
+                threshold = float(jump_ceiling[t, j])
+                why = f"{value / (threshold / cfg.exploding_jump):.3g}x its previous step's norm"
             else:
                 threshold = float(ceiling[t, j])
                 base = threshold / cfg.exploding_factor
                 why = f"{value / base:.3g}x its baseline {base:.4g}"
             findings.append(Finding("exploding", names[j], w.steps[t], value, threshold, why))
+        calm_columns = ~over.any(axis=0) & np.isfinite(table).any(axis=0)
+        result.clear.update(("exploding", names[j]) for j in np.flatnonzero(calm_columns))
 
         # Raise the running baseline to this window's median, leaving out the
         # steps that exploded so that a spike does not raise its own bar.
@@ -132,92 +185,154 @@ class HealthChecks:
         model_hit = [f for f in findings if not f.layer]
         if model_hit and len(layer_hits) >= max(2, len(self.layers) // 2):
             model_hit[0].detail += f"; {len(layer_hits)} of {len(self.layers)} layers exceed their ceilings"
-            return model_hit
-        return findings
+            findings = model_hit
+        result.findings += findings
 
-    def _vanishing(self, w: Window, valid: np.ndarray) -> list[Finding]:
+    def _vanishing(self, w: Window, valid: np.ndarray, result: Assessment) -> list[Finding]:
+        """Vanishing on a layer's last steps (a rolling median, whatever flush_every is).
+
+        With an optimizer that normalises its step (Adam and friends), a small gradient
+        still moves the weights: only the absolute floor applies. Otherwise a layer five
+        decades below the strongest layer no longer learns either.
+        """
         cfg = self.config
         rms = np.where(valid, w.grad_rms, np.nan)
         with np.errstate(all="ignore"):
             strongest = np.nanmax(rms, axis=1, initial=-np.inf, where=~np.isnan(rms))
             strongest = np.where(np.isfinite(strongest) & (strongest > 0), strongest, np.nan)
             ratio = rms / strongest[:, None]
-            med_rms = np.nanmedian(rms, axis=0)
-            med_ratio = np.nanmedian(ratio, axis=0)
-            med_strongest = np.nanmedian(strongest)
-        with np.errstate(invalid="ignore"):
-            # NaN medians (no gradient in the window: frozen or unused) compare False.
+        for t in range(len(w.steps)):
+            if not valid[t].any():
+                continue
+            slot = self.history_slot % _VANISHING_STEPS
+            self.rms_history[slot] = rms[t]
+            self.ratio_history[slot] = ratio[t]
+            self.history_slot += 1
+        with np.errstate(all="ignore"):
+            known = np.sum(~np.isnan(self.rms_history), axis=0) >= _VANISHING_MIN
+            med_rms = np.where(known, np.nanmedian(self.rms_history, axis=0), np.nan)
+            med_ratio = np.where(known, np.nanmedian(self.ratio_history, axis=0), np.nan)
             below_abs = med_rms < cfg.vanishing_abs_rms
-            below_rel = np.isfinite(med_ratio) & (med_ratio < cfg.vanishing_rel_rms)
-        rel_floor = cfg.vanishing_rel_rms * med_strongest if np.isfinite(med_strongest) else 0.0
-        threshold = max(cfg.vanishing_abs_rms, rel_floor)
+            clear_abs = med_rms >= _VANISHING_CLEAR * cfg.vanishing_abs_rms
+            if self.normalised_steps:
+                below_rel = np.zeros_like(below_abs)
+                clear_rel = np.ones_like(clear_abs)
+            else:
+                below_rel = np.isfinite(med_ratio) & (med_ratio < cfg.vanishing_rel_rms)
+                clear_rel = med_ratio >= _VANISHING_CLEAR * cfg.vanishing_rel_rms
+        # Only layers with a gradient in this window are judged (frozen or unused ones never vanish).
+        seen = valid.any(axis=0)
         findings = []
-        for i in np.flatnonzero(below_abs | below_rel):
+        for i in np.flatnonzero((below_abs | below_rel) & seen):
             detail = (
-                f"gradient RMS {med_rms[i]:.3g} is {med_ratio[i]:.3g} of the strongest layer's"
-                if np.isfinite(med_ratio[i])
-                else "gradient is zero"
+                f"median gradient RMS {med_rms[i]:.3g} over its last steps is {med_ratio[i]:.3g} of the "
+                "strongest layer's" if np.isfinite(med_ratio[i]) and med_rms[i] > 0 else "its gradient is zero"
             )
-            findings.append(
-                Finding("vanishing", self.layers[i], w.steps[-1], float(med_rms[i]), threshold, detail)
-            )
+            if self.normalised_steps:
+                detail += "; below what the optimizer's normalised step can use"
+            threshold = cfg.vanishing_abs_rms if below_abs[i] or self.normalised_steps else cfg.vanishing_rel_rms
+            findings.append(Finding("vanishing", self.layers[i], w.steps[-1], float(med_rms[i]), threshold, detail))
+        result.clear.update(("vanishing", self.layers[i]) for i in np.flatnonzero(clear_abs & clear_rel & seen))
         return findings
 
-    def _explained_by_vanishing(self, dead: list[Finding], vanishing: list[Finding]) -> list[Finding]:
-        """Drop dead-unit findings that are really a vanishing gradient underflowing to zero.
-
-        A dead ReLU layer has zero output gradients while the layer after it is
-        healthy; in a vanishing stack the layer after it is vanishing too.
-        """
-        vanished = {f.layer for f in vanishing}
-        position = {name: i for i, name in enumerate(self.layers)}
-        kept = []
-        for f in dead:
-            i = position[f.layer]
-            successor = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            if f.layer in vanished and successor in vanished:
-                continue
-            kept.append(f)
-        return kept
-
-    def _dead(self, w: Window) -> list[Finding]:
+    def _dead(self, w: Window, result: Assessment) -> list[Finding]:
+        """Dead units judged on at least dead_min_samples output-gradient rows, carried across windows."""
         cfg = self.config
         findings = []
-        for i in np.flatnonzero(np.nan_to_num(w.dead_fraction, nan=-1.0) >= cfg.dead_fraction):
-            if w.unit_counts[i] < cfg.dead_min_units:
+        if w.unit_alive is None or w.rows_seen is None:
+            return findings
+        for i, alive in enumerate(w.unit_alive):
+            if alive is None or w.rows_seen[i] == 0 or w.unit_counts[i] < cfg.dead_min_units:
                 continue
-            findings.append(
-                Finding(
-                    "dead_units",
-                    self.layers[i],
-                    w.steps[-1],
-                    float(w.dead_fraction[i]),
-                    cfg.dead_fraction,
-                    f"{w.dead_fraction[i]:.0%} of its units had zero output gradient for every sample "
-                    f"in steps {w.steps[0]}-{w.steps[-1]}",
+            self.alive[i] = alive.copy() if self.alive[i] is None else (self.alive[i] | alive)
+            self.rows[i] += int(w.rows_seen[i])
+            self.dead_steps[i] += int(w.steps_judged[i]) if w.steps_judged is not None else 1
+            if self.rows[i] < cfg.dead_min_samples or self.dead_steps[i] < _DEAD_MIN_STEPS:
+                # Too little evidence yet: one sample silences about half of a healthy ReLU layer,
+                # and one step can be a transient (a gate or ReZero factor still at zero).
+                continue
+            fraction = 1.0 - float(np.mean(self.alive[i]))
+            rows, steps = int(self.rows[i]), int(self.dead_steps[i])
+            self.alive[i], self.rows[i], self.dead_steps[i] = None, 0, 0
+            name = self.layers[i]
+            units = int(w.unit_counts[i])
+            if fraction >= cfg.dead_fraction:
+                findings.append(
+                    Finding(
+                        "dead_units", name, w.steps[-1], fraction, cfg.dead_fraction,
+                        f"{fraction:.0%} of its units had zero output gradient for every one of the "
+                        f"{rows} samples of {steps} steps seen up to step {w.steps[-1]}",
+                    )  # fmt: skip
                 )
-            )
+            elif fraction <= min(_DEAD_CLEAR * cfg.dead_fraction, cfg.dead_fraction - 1.5 / units):
+                # clearly below: the band is at least one and a half units wide on small layers
+                result.clear.add(("dead_units", name))
         return findings
 
-    def _update_ratio(self, w: Window) -> list[Finding]:
+    def _root_causes(self, result: Assessment, vanishing: list[Finding], dead: list[Finding]) -> None:
+        """Report root causes, not their symptoms, then add the kept findings.
+
+        - A layer with dead units has a zero gradient because of them: dead_units, not vanishing.
+        - Layers before a completely dead layer get no gradient through it: their vanishing is
+          explained by it (named in its alert), not reported separately.
+        - A zero-gradient layer in a vanishing run (its next layer vanishing too) is a deep
+          stack underflowing, not dead units (a dead ReLU layer sits below a healthy one).
+        """
+        position = {name: i for i, name in enumerate(self.layers)}
+        vanished = {f.layer: f for f in vanishing}
+        dead = [f for f in dead if not (f.layer in vanished and _successor(self.layers, f.layer) in vanished)]
+        explained: set[str] = set()
+        complete = sorted(position[f.layer] for f in dead if f.value >= 0.999)
+        if complete:
+            # After a completely dead layer every later layer sees a constant input: dead units
+            # there are its consequence, named in its alert, not separate conditions.
+            first = complete[0]
+            after = [f for f in dead if position[f.layer] > first]
+            if after:
+                root = next(f for f in dead if position[f.layer] == first)
+                root.detail += f"; the dead units of {_describe([f.layer for f in after])} after it follow from it"
+                dead = [f for f in dead if position[f.layer] <= first]
+        for f in dead:
+            explained.add(f.layer)
+            if f.value < 0.999:
+                continue
+            upstream = []
+            for i in range(position[f.layer] - 1, -1, -1):  # the contiguous vanishing run before it
+                if self.layers[i] not in vanished:
+                    break
+                upstream.append(self.layers[i])
+            if upstream:
+                explained.update(upstream)
+                f.detail += (
+                    f"; it passes no gradient back, which explains the vanishing gradient of "
+                    f"{_describe(list(reversed(upstream)))} before it"
+                )
+        result.findings += [f for f in vanishing if f.layer not in explained] + dead
+        for name in explained & set(vanished):
+            result.clear.discard(("vanishing", name))
+
+    def _update_ratio(self, w: Window, result: Assessment) -> None:
         """Layers whose weight matrices changed by more than update_ratio_max of their norm at
         update_ratio_steps consecutive measured optimizer steps (streaks carry across windows)."""
         if w.judged_update_ratio is None:
-            return []
+            return
         cfg = self.config
-        findings: list[Finding] = []
         flagged: set[int] = set()
+        calm = np.ones(len(self.layers), dtype=bool)
+        measured_any = np.zeros(len(self.layers), dtype=bool)
         for t, step in enumerate(w.update_steps):
             ratio, rms = w.judged_update_ratio[t], w.judged_weight_rms[t]  # type: ignore[index]
             measured = np.isfinite(ratio) & (rms >= cfg.update_ratio_min_weight_rms)
             above = measured & (ratio > cfg.update_ratio_max)
+            measured_any |= measured
+            calm &= ~measured | (ratio <= _UPDATE_CLEAR * cfg.update_ratio_max)
             # A measured step below the limit ends a streak; unmeasured layers keep theirs.
             self.update_streak = np.where(above, self.update_streak + 1, np.where(measured, 0, self.update_streak))
             for i in np.flatnonzero(self.update_streak >= cfg.update_ratio_steps):
                 if i in flagged:
                     continue
                 flagged.add(int(i))
-                findings.append(
+                result.findings.append(
                     Finding(
                         "update_ratio", self.layers[i], int(step), float(ratio[i]), cfg.update_ratio_max,
                         f"its weights changed by {ratio[i]:.3g} of their norm in one optimizer step, above "
@@ -225,21 +340,26 @@ class HealthChecks:
                         "the learning rate is far too high for this layer",
                     )  # fmt: skip
                 )
-        return findings
+        result.clear.update(("update_ratio", self.layers[i]) for i in np.flatnonzero(calm & measured_any))
 
-    def _causal_ceilings(self, table: np.ndarray) -> np.ndarray:
-        """Per step and column: factor x max(long-run baseline, largest of the last calm steps).
+    # ------------------------------------------------------------ baselines
+    def _causal_ceilings(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per step and column: the relative ceiling and the jump ceiling.
 
-        Causal: a step is compared only with earlier steps. The recent reference is
-        the largest of the last ``_RECENT_STEPS`` calm (not exploded, finite) values,
-        carried across windows, so gradients that grow smoothly (Adam's first
-        hundred steps, a learning-rate warm-up) raise their own bar as they go,
-        while a jump of ``factor`` x within a few steps does not. Exploded steps
-        never enter the reference, so an explosion that persists stays flagged.
+        Relative (after the warm-up): factor x max(long-run baseline, largest of the last
+        calm steps). Causal: a step is compared only with earlier steps. The recent
+        reference is the largest of the last ``_RECENT_STEPS`` calm (not exploded, finite)
+        values, carried across windows, so gradients that grow smoothly (Adam's first
+        hundred steps, a learning-rate warm-up) raise their own bar as they go, while a
+        jump of ``factor`` x within a few steps does not. Exploded steps never enter the
+        reference, so an explosion that persists stays flagged.
+
+        Jump (at any step, warm-up included): ``exploding_jump`` x the previous calm step.
         """
         cfg = self.config
         n, m = table.shape
         ceilings = np.full((n, m), np.inf)
+        jumps = np.full((n, m), np.inf)
         history = np.where(np.isfinite(self.baseline) & (self.baseline > 0), self.baseline, 0.0)
         recent, slot = self.recent, self.recent_slot
         columns = np.arange(m)
@@ -248,12 +368,18 @@ class HealthChecks:
                 reference = np.fmax(history, np.fmax.reduce(recent, axis=0))  # fmax skips NaN
                 known = reference > 0
                 ceilings[t, known] = cfg.exploding_factor * reference[known]
+            previous = self.last_calm
+            has_previous = np.isfinite(previous) & (previous > 0)
+            jumps[t, has_previous] = cfg.exploding_jump * previous[has_previous]
             row = table[t]
             over_rel, over_abs = self._exceeds(row, ceilings[t])
-            calm = np.isfinite(row) & ~over_rel & ~over_abs
+            with np.errstate(invalid="ignore"):
+                over_jump = row >= jumps[t]
+            calm = np.isfinite(row) & ~over_rel & ~over_abs & ~over_jump
             recent[slot[calm], columns[calm]] = row[calm]
             slot[calm] = (slot[calm] + 1) % _RECENT_STEPS
-        return ceilings
+            self.last_calm[calm] = row[calm]
+        return ceilings, jumps
 
     def _exceeds(self, values: np.ndarray, ceiling: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(above the relative ceiling, above the absolute one): the one definition of "exploded"."""
@@ -262,34 +388,66 @@ class HealthChecks:
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
+        def column_lists(array: np.ndarray) -> list:
+            return [[None if np.isnan(v) else float(v) for v in column] for column in array.T]
+
         return {
             "layers": list(self.layers),
             "baseline": [None if np.isnan(b) else float(b) for b in self.baseline],
-            "recent": [[None if np.isnan(v) else float(v) for v in column] for column in self.recent.T],
+            "recent": column_lists(self.recent),
             "recent_slot": [int(i) for i in self.recent_slot],
+            "last_calm": [None if np.isnan(b) else float(b) for b in self.last_calm],
+            "rms_history": column_lists(self.rms_history),
+            "ratio_history": column_lists(self.ratio_history),
+            "history_slot": int(self.history_slot),
             "steps_seen": self.steps_seen,
             "skipped_steps": self.skipped_steps,
             "update_streak": dict(zip(self.layers, (int(s) for s in self.update_streak))),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        by_name = dict(zip(state["layers"] + [""], state["baseline"]))
+        names = state["layers"] + [""]
+        by_name = dict(zip(names, state["baseline"]))
         self.baseline = np.array(
-            [np.nan if by_name.get(n) is None else by_name[n] for n in self.layers + [""]],
-            dtype=float,
+            [np.nan if by_name.get(n) is None else by_name[n] for n in self.layers + [""]], dtype=float
         )
-        recent = dict(zip(state["layers"] + [""], state.get("recent", [])))
-        slots = dict(zip(state["layers"] + [""], state.get("recent_slot", [])))
-        self.recent = np.full((_RECENT_STEPS, len(self.layers) + 1), np.nan)
-        self.recent_slot = np.zeros(len(self.layers) + 1, dtype=np.int64)
-        for j, name in enumerate(self.layers + [""]):
-            values = [np.nan if v is None else v for v in recent.get(name, [])][:_RECENT_STEPS]
-            self.recent[: len(values), j] = values
-            self.recent_slot[j] = int(slots.get(name, 0)) % _RECENT_STEPS
+        last = dict(zip(names, state.get("last_calm", [])))
+        self.last_calm = np.array([np.nan if last.get(n) is None else last[n] for n in self.layers + [""]], dtype=float)
+        self.recent = _columns(state.get("recent", []), names, self.layers + [""], _RECENT_STEPS)
+        slots = dict(zip(names, state.get("recent_slot", [])))
+        self.recent_slot = np.array([int(slots.get(n, 0)) % _RECENT_STEPS for n in self.layers + [""]], dtype=np.int64)
+        self.rms_history = _columns(state.get("rms_history", []), state["layers"], self.layers, _VANISHING_STEPS)
+        self.ratio_history = _columns(state.get("ratio_history", []), state["layers"], self.layers, _VANISHING_STEPS)
+        self.history_slot = int(state.get("history_slot", 0))
         self.steps_seen = int(state["steps_seen"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         streaks = state.get("update_streak", {})
         self.update_streak = np.array([int(streaks.get(n, 0)) for n in self.layers], dtype=np.int64)
+
+
+def _columns(saved: list, saved_names: list[str], names: list[str], rows: int) -> np.ndarray:
+    """A [rows, len(names)] array from per-column lists saved under ``saved_names``."""
+    by_name = dict(zip(saved_names, saved))
+    out = np.full((rows, len(names)), np.nan)
+    for j, name in enumerate(names):
+        values = [np.nan if v is None else v for v in by_name.get(name, [])][:rows]
+        out[: len(values), j] = values
+    return out
+
+
+def _successor(layers: list[str], name: str) -> str | None:
+    i = layers.index(name)
+    return layers[i + 1] if i + 1 < len(layers) else None
+
+
+def _describe(names: list[str]) -> str:
+    """'layer a' / 'layers a and b' / 'layers a, b, ... (n)' for a message."""
+    if len(names) == 1:
+        return f"layer {names[0]}"
+    if len(names) == 2:
+        return f"layers {names[0]} and {names[1]}"
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    return f"{len(names)} layers ({shown})"
 
 
 def _first_in(order: list[int], mask: np.ndarray, reverse_default: bool = False) -> int:

@@ -38,8 +38,9 @@ class HookSet:
 
     def __init__(self, layers: list[LayerSpec], recorder: "Recorder") -> None:
         self._handles: list[RemovableHandle] = []
+        also = output_aliases(layers)
         for index, layer in enumerate(layers):
-            hook = _make_forward_hook(index, layer, recorder)
+            hook = _make_forward_hook(index, layer, recorder, also.get(index, ()))
             self._handles.append(layer.module.register_forward_hook(hook))
 
     def remove(self) -> None:
@@ -67,7 +68,24 @@ def _warn_compile_once(recorder: "Recorder") -> None:
         )
 
 
-def _make_forward_hook(index: int, layer: LayerSpec, recorder: "Recorder") -> Callable:
+def output_aliases(layers: list[LayerSpec]) -> dict[int, tuple[int, ...]]:
+    """Layers whose output is also another monitored layer's output, by index.
+
+    ``nn.MultiheadAttention`` applies its ``out_proj`` functionally (``F.linear`` with
+    ``out_proj.weight``), so ``out_proj``'s own forward hook never runs; the attention's
+    output is exactly ``out_proj``'s output, so it is recorded for both layers.
+    """
+    index = {id(layer.module): i for i, layer in enumerate(layers)}
+    aliases: dict[int, tuple[int, ...]] = {}
+    for i, layer in enumerate(layers):
+        if isinstance(layer.module, torch.nn.MultiheadAttention):
+            target = index.get(id(layer.module.out_proj))
+            if target is not None:
+                aliases[i] = (target,)
+    return aliases
+
+
+def _make_forward_hook(index: int, layer: LayerSpec, recorder: "Recorder", also: tuple[int, ...] = ()) -> Callable:
     grad_enabled = torch.is_grad_enabled
     tensor_type = torch.Tensor
     on_forward = recorder.on_forward
@@ -88,6 +106,8 @@ def _make_forward_hook(index: int, layer: LayerSpec, recorder: "Recorder") -> Ca
             tensors = grad_tensors(output)
             if tensors:
                 on_forward(index, tensors[0])
+                for alias in also:  # the same output belongs to another layer too (MHA's out_proj)
+                    on_forward(alias, tensors[0])
                 for extra in tensors[1:]:  # e.g. an RNN's h_n: same units, also an output
                     on_forward(index, extra, extra=True)
         except Exception as exc:  # a monitor must never break training

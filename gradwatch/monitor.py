@@ -11,7 +11,7 @@ from torch import nn
 
 from .alerts import Alert, AlertTracker, GradientHealthError
 from .config import HealthConfig
-from .detectors import HealthChecks
+from .detectors import Assessment, HealthChecks, normalises_step
 from .hooks import HookSet
 from .layers import discover_layers
 from .recorder import Recorder
@@ -127,8 +127,13 @@ class GradMonitor:
             )
         if self._sync_dist:
             self._agree_on_layout()
-        self._checks = HealthChecks(config, self._names)
-        self._tracker = AlertTracker(config.remind_every, log_alerts=is_writer)
+        normalised = config.normalised_optimizer
+        if normalised is None:
+            normalised = optimizer is not None and normalises_step(optimizer)
+        self._checks = HealthChecks(config, self._names, normalised_steps=normalised)
+        self._tracker = AlertTracker(
+            config.remind_every, log_alerts=is_writer, recovery_flushes=config.recovery_flushes, layers=self._names
+        )
         self._sink: TensorBoardSink | None = None
         self._logdir = str(logdir) if is_writer and logdir is not None else None
         if is_writer and writer is not None:
@@ -232,9 +237,9 @@ class GradMonitor:
         if window is None:
             return []
         self._open_own_writer()
-        findings = self._guarded("the health checks", lambda: self._checks.check(window), [])
+        assessment = self._guarded("the health checks", lambda: self._checks.check(window), Assessment())
         last_step = max(steps + window.update_steps)
-        new = self._guarded("alert tracking", lambda: self._tracker.update(findings, last_step), [])
+        new = self._guarded("alert tracking", lambda: self._tracker.update(assessment, last_step), [])
         if self._sink is not None:
             self._guarded(
                 "writing to TensorBoard",
@@ -243,7 +248,8 @@ class GradMonitor:
             )
             if self.histograms and not final:
                 self._guarded("writing histograms", lambda: self._write_histograms(steps[-1]), None)
-        self.last_window = window
+        if window.steps:  # not a window of update measurements alone
+            self.last_window = window
         stopping = [a for a in new if a.kind in self.config.stop_on]
         if stopping:
             raise GradientHealthError(stopping)

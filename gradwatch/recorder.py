@@ -35,6 +35,7 @@ STEP_FAILED = "step_failed"  # host [F] ranks on which recording this step faile
 # Window states.
 UNIT_ACC = "unit_acc"  # [U] per unit: zero exactly for dead units
 ROWS_SEEN = "rows_seen"  # host [L] output-gradient rows (samples x positions) judged for dead units
+STEPS_SEEN = "steps_seen"  # host [L] steps whose output gradients were judged for dead units
 # Update-to-weight ratio (with an optimizer): one row per measured optimizer step, at most
 # flush_every + 1 per window (a measurement after a window's last step joins the next one).
 UPDATE_SQ = "update_sq"  # [F + 1, P] ||w_after - w_before||^2 per tensor
@@ -97,6 +98,9 @@ class Recorder:
         buffer.add_state(STEP_FAILED, (F,), "sum", host=True)
         buffer.add_state(UNIT_ACC, (int(self.unit_count.sum()),), "sum")
         buffer.add_state(ROWS_SEEN, (n,), "sum", host=True)
+        # Distinct steps: every rank samples the same steps, so the most any rank saw (a lower
+        # bound of the union when a layer runs on some ranks only).
+        buffer.add_state(STEPS_SEEN, (n,), "max", host=True)
         self.track_updates = track_updates
         if track_updates:
             buffer.add_state(UPDATE_SQ, (F + 1, p), param_sum)
@@ -110,8 +114,10 @@ class Recorder:
         # Sampled steps record every statistic; the others (detail="standard") record the
         # per-tensor sums of squares and the forward check only. Slot 0 of every window is
         # sampled, so every window has output-gradient statistics and dead-unit evidence.
+        # Slots 0 and 1 of every window, then every sample_every-th: dead units are judged on
+        # at least two distinct steps, and a typical window has them at its own flush.
         self.sample_every = max(1, int(sample_every))
-        self.sampled_slots = np.arange(F) % self.sample_every == 0
+        self.sampled_slots = (np.arange(F) % self.sample_every == 0) | (np.arange(F) == 1)
         self.sampling = True  # whether the current step is a sampled one
         self.update_steps: list[int] = []  # the optimizer step each update row describes
         self._update_weights: torch.Tensor | None = None  # per-column weights when sharded
@@ -137,6 +143,7 @@ class Recorder:
         self._call_units = IndexCache(device)  # -> the buffer offsets of each call's units
         self._call_counts = BoundedCache()  # -> calls per layer (np.add.at costs ~70 us a call)
         self._grad_hooks: dict[tuple[int, int, int], Callable] = {}
+        self._judged_this_step: set[int] = set()  # layers with dead-unit evidence in the current step
         self._failures: set[str] = set()
         self._mismatch_logged: set[int] = set()
         # Unsampled steps leave max |g| (and, on accelerators, the non-finite count) out.
@@ -199,6 +206,7 @@ class Recorder:
             ndim, unit_dim, units, self.project_units, self._weights, per_unit, self._dtype
         )
         pending_layer, units_list, units_layer = self._pending_layer, self._units, self._units_layer
+        judged_this_step = self._judged_this_step
         call_sums = self._sq
         rows_seen = self._host[ROWS_SEEN]
         limit = _MAX_PENDING_PER_LAYER * len(self.layers)
@@ -217,6 +225,7 @@ class Recorder:
                     units_list.append(vector)
                     units_layer.append(index)
                     rows_seen[index] += grad.numel() // units
+                    judged_this_step.add(index)
                 if len(pending_layer) >= limit:
                     self.fold()
             except Exception as exc:
@@ -314,6 +323,9 @@ class Recorder:
             raise
         finally:
             self.step_orders.append((self.forward_order, self.backward_order))  # deduplicated at flush
+            if self._judged_this_step:
+                self._host[STEPS_SEEN][list(self._judged_this_step)] += 1
+                self._judged_this_step.clear()
             self.forward_order = []
             self.backward_order = []
             self._backward_seen = set()
@@ -425,6 +437,7 @@ def build_window(host: dict[str, np.ndarray], steps: list[int], rec: Recorder, d
     units = host[UNIT_ACC]
     dead = np.full(n_layers, np.nan)
     rows_seen = host[ROWS_SEEN].astype(np.int64)
+    unit_alive: list[np.ndarray | None] = [None] * n_layers
     for i in range(n_layers):
         count = rec.unit_count[i]
         if count == 0 or rows_seen[i] == 0:
@@ -433,7 +446,8 @@ def build_window(host: dict[str, np.ndarray], steps: list[int], rec: Recorder, d
         # Per unit: a non-negative accumulator that is zero exactly when the unit's
         # output gradient was zero for every sample (its L2 norm when dead_eps > 0).
         unit_value = np.sqrt(np.abs(units[offset : offset + count]))
-        dead[i] = float(np.mean(unit_value <= dead_eps))  # NaN (non-finite) is not dead
+        unit_alive[i] = ~(unit_value <= dead_eps)  # NaN (non-finite) is not dead
+        dead[i] = 1.0 - float(np.mean(unit_alive[i]))
 
     update_steps: list[int] = []
     update_ratio = judged_ratio = weight_rms = None
@@ -479,6 +493,8 @@ def build_window(host: dict[str, np.ndarray], steps: list[int], rec: Recorder, d
         step_orders=[(_first_seen(fwd), bwd) for fwd, bwd in rec.step_orders[:n]],
         skipped=skipped,
         rows_seen=rows_seen,
+        steps_judged=host[STEPS_SEEN].astype(np.int64),
+        unit_alive=unit_alive,
         sampled=sampled.copy(),
         nonfinite_counted=counted.copy(),
         update_steps=update_steps,

@@ -34,6 +34,10 @@ class Window:
     #: [layer] output-gradient rows (samples x positions, over calls, micro-batches and
     #: ranks) behind each layer's dead_fraction in this window
     rows_seen: np.ndarray | None = None
+    #: [layer] distinct steps behind rows_seen
+    steps_judged: np.ndarray | None = None
+    #: [layer] bool per unit: its output gradient was not zero for some sample (None: not judged)
+    unit_alive: list[np.ndarray | None] | None = None
     #: bool [step]: every statistic was recorded (detail="standard" samples some steps;
     #: the others have grad_norm, the forward check and no grad_max / output gradients)
     sampled: np.ndarray | None = None

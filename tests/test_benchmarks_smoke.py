@@ -61,3 +61,13 @@ def test_in_context_costs_reports_each_call():
     costs = B.in_context_costs(_TINY, steps=6)
     assert set(costs) == {"empty hook body", "out.register_hook", "out.sum()"}
     assert all(v > 0 for v in costs.values())
+
+
+def test_detection_benchmark_scores_a_pathology_and_a_healthy_run():
+    from benchmarks import detection as D
+
+    by_name = {s.name: s for s in D.scenarios()}
+    fault = D.run(by_name["1e6x loss spike"])
+    assert fault.detected and fault.layer_ok and fault.latency == 19  # the flush after step 80
+    healthy = D.run(by_name["MLP, Adam"])
+    assert healthy.alerts == []

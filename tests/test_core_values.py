@@ -266,8 +266,9 @@ def test_buffer_memory_does_not_grow():
         sizes.append(monitor.buffer_bytes)
     assert len(set(sizes)) == 1
     # float64, declared at attach: per step 4 values per parameter tensor (4 tensors) and
-    # 3 per layer (2 layers) and 1 failure mark, over 3 steps; per window 9 units + 2 layers.
-    assert sizes[0] == 8 * (3 * (4 * 4 + 3 * 2 + 1) + 9 + 2)
+    # 3 per layer (2 layers) and 1 failure mark, over 3 steps; per window 9 units and
+    # 2 evidence counts (rows, steps) per layer.
+    assert sizes[0] == 8 * (3 * (4 * 4 + 3 * 2 + 1) + 9 + 2 * 2)
     monitor.close()
 
 

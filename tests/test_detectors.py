@@ -78,8 +78,8 @@ def test_persistent_dead_layer_logged_once_then_recovery_at_info(caplog):
     with caplog.at_level(logging.INFO, logger="gradwatch"):
         _train_no_close(model, monitor, 25, make)  # 5 windows, dead throughout
         with torch.no_grad():
-            first.bias.fill_(0.5)  # revive it
-        _train_no_close(model, monitor, 5, make)
+            first.bias.fill_(0.5)  # revive it: recovered after recovery_flushes clear windows
+        _train_no_close(model, monitor, 5 * HealthConfig().recovery_flushes, make)
         monitor.close()
     dead_logs = [r for r in caplog.records if "dead_units" in r.getMessage() and r.levelno == logging.WARNING]
     assert len(dead_logs) == 1

@@ -1,0 +1,266 @@
+"""Detection on real architectures: silent on healthy recipes, root causes first, few grouped lines,
+one condition per crossing. Pathologies are made on purpose; healthy runs must raise nothing."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from gradwatch import GradMonitor, HealthConfig
+
+
+def _regression(n_in=16, n_out=4, batch=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(n_in, n_out, generator=g) / n_in**0.5
+
+    def make():
+        x = torch.randn(batch, n_in)
+        return x, torch.tanh(x @ teacher)
+
+    return make
+
+
+def _run(model, steps, flush_every=10, opt=None, lr=1e-3, make=None, loss_hook=None, config=None, **kwargs):
+    make = make or _regression()
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=lr)
+    monitor = GradMonitor(model, flush_every=flush_every, optimizer=opt, config=config, **kwargs)
+    for step in range(steps):
+        x, y = make()
+        loss = nn.functional.mse_loss(model(x), y)
+        if loss_hook is not None:
+            loss = loss_hook(step, loss)
+        loss.backward()
+        monitor.step()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    return monitor
+
+
+# ------------------------------------------------------------ healthy recipes
+class _LayerScaleBlock(nn.Module):
+    """x + gamma * MLP(LN(x)), gamma initialised at 1e-6 (ConvNeXt / CaiT layer scale)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.gamma = nn.Parameter(torch.full((d,), 1e-6))
+
+    def forward(self, x):
+        return x + self.gamma * self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
+class _ReZeroBlock(nn.Module):
+    """x + alpha * F(x), alpha initialised at 0 (ReZero)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+        self.alpha = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        return x + self.alpha * self.fc2(torch.relu(self.fc1(x)))
+
+
+class _GatedBlock(nn.Module):
+    """x + tanh(gate) * F(x), a zero-initialised gate (Flamingo-style gated cross layers)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.gate = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        return x + torch.tanh(self.gate) * torch.tanh(self.fc(x))
+
+
+def _residual(block, depth=4, d=32):
+    return nn.Sequential(nn.Linear(16, d), *[block(d) for _ in range(depth)], nn.LayerNorm(d), nn.Linear(d, 4))
+
+
+@pytest.mark.parametrize("block", [_LayerScaleBlock, _ReZeroBlock, _GatedBlock], ids=["layer-scale-1e-6", "rezero", "zero-gate"])
+@pytest.mark.parametrize("flush_every", [1, 10])
+def test_residual_branches_scaled_by_a_tiny_or_zero_factor_trained_with_adamw_raise_nothing(block, flush_every):
+    torch.manual_seed(0)
+    monitor = _run(_residual(block), steps=80, flush_every=flush_every)
+    assert monitor.alerts == [], [a.message for a in monitor.alerts]
+
+
+def test_the_same_branch_scale_with_sgd_is_judged_by_the_relative_rule():
+    # SGD's step is the gradient itself: a branch 1e-6 below the rest hardly moves, and that is reported
+    torch.manual_seed(0)
+    model = _residual(_LayerScaleBlock)
+    monitor = _run(model, steps=30, opt=torch.optim.SGD(model.parameters(), lr=0.0))
+    assert {a.kind for a in monitor.alerts} == {"vanishing"}
+    assert "1.fc1" in {a.layer for a in monitor.alerts}
+
+
+# ------------------------------------------------------------ dead units need evidence
+class _Routed(nn.Module):
+    """A router that sends one token per step to an expert (a ReLU MLP), the rest elsewhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(16, 16)
+        self.expert = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.shared(x))
+        routed = self.expert(h[:1])  # one token
+        return self.head(torch.cat([h[:1] + routed, h[1:]]))
+
+
+def test_an_expert_seeing_one_token_per_window_is_not_called_dead():
+    torch.manual_seed(0)
+    monitor = _run(_Routed(), steps=60, flush_every=1)
+    assert not [a for a in monitor.alerts if a.kind == "dead_units"], [a.message for a in monitor.alerts]
+    w = monitor.last_window  # each window alone is far too little evidence: a single token
+    assert w.rows_seen[w.layers.index("expert.0")] == 1 and w.dead_fraction[w.layers.index("expert.0")] > 0.2
+
+
+def test_a_dead_layer_is_still_found_when_its_evidence_spans_windows():
+    torch.manual_seed(0)
+    model = _Routed()
+    with torch.no_grad():
+        model.expert[0].bias.fill_(-100.0)
+    monitor = _run(model, steps=60, flush_every=1)
+    dead = [a for a in monitor.alerts if a.kind == "dead_units"]
+    assert [(a.layer, a.value) for a in dead] == [("expert.0", 1.0)]
+    assert dead[0].step == HealthConfig().dead_min_samples - 1  # after 32 one-token windows
+
+
+# ------------------------------------------------------------ exploding jumps at any step
+def test_a_ten_thousand_fold_jump_is_exploding_even_during_warm_up():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    monitor = _run(model, steps=10, loss_hook=lambda step, loss: loss * 1e4 if step == 4 else loss)
+    exploding = [a for a in monitor.alerts if a.kind == "exploding"]
+    assert exploding and {a.step for a in exploding} == {4}
+    assert all(a.step >= 4 for a in monitor.alerts)
+
+
+def test_sgd_with_a_learning_rate_1000x_too_high_explodes_before_it_turns_nonfinite():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    monitor = _run(model, steps=40, opt=torch.optim.SGD(model.parameters(), lr=50.0), flush_every=10)  # 0.05 is fine
+    first_nonfinite = min(a.step for a in monitor.alerts if a.kind == "nonfinite")
+    exploding = [a for a in monitor.alerts if a.kind == "exploding"]
+    assert exploding and min(a.step for a in exploding) <= first_nonfinite
+
+
+def test_smooth_growth_stays_silent():  # learning-rate warm-up: norms rise ~1.2x per step, never a jump
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    monitor = _run(model, steps=60, loss_hook=lambda step, loss: loss * 1.2 ** min(step, 40))
+    assert monitor.alerts == [], [a.message for a in monitor.alerts]
+
+
+# ------------------------------------------------------------ root cause first, grouped lines
+def test_a_dead_first_layer_is_dead_units_not_vanishing():
+    torch.manual_seed(0)
+    first = nn.Linear(16, 32)
+    with torch.no_grad():
+        first.bias.fill_(-100.0)
+    model = nn.Sequential(first, nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    monitor = _run(model, steps=20)
+    assert [(a.kind, a.layer) for a in monitor.alerts] == [("dead_units", "0")]
+
+
+def test_layers_before_a_dead_layer_are_explained_by_it():
+    torch.manual_seed(0)
+    middle = nn.Linear(32, 32)
+    with torch.no_grad():
+        middle.bias.fill_(-100.0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), middle, nn.ReLU(), nn.Linear(32, 4))
+    monitor = _run(model, steps=20)
+    assert [(a.kind, a.layer) for a in monitor.alerts] == [("dead_units", "2")]
+    assert "layer 0" in monitor.alerts[0].message
+
+
+def test_a_deep_sigmoid_stack_is_a_few_warning_lines_naming_the_first_layer_first(caplog):
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(30):
+        lin = nn.Linear(32, 32)
+        nn.init.normal_(lin.weight, std=0.05)
+        nn.init.zeros_(lin.bias)
+        layers += [lin, nn.Sigmoid()]
+    model = nn.Sequential(*layers, nn.Linear(32, 4))
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        monitor = _run(model, steps=10, opt=torch.optim.SGD(model.parameters(), lr=1e-4), make=_regression(n_in=32))
+    vanishing = [a for a in monitor.alerts if a.kind == "vanishing"]
+    assert len(vanishing) > 3 and vanishing[0].layer == "0"  # one Alert per layer is kept
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert 1 <= len(lines) <= 3, lines
+    assert "layer 0" in lines[0] or "layers: 0," in lines[0]
+
+
+# ------------------------------------------------------------ no flapping
+def test_a_dead_fraction_hovering_around_the_threshold_is_one_condition():
+    gate = nn.Linear(100, 100)
+    with torch.no_grad():
+        gate.weight.copy_(torch.eye(100))
+    model = nn.Sequential(gate, nn.ReLU(), nn.Linear(100, 1))
+    monitor = GradMonitor(model, flush_every=5, detail="full")
+    for window in range(20):
+        dead = 47 if window % 2 else 53  # 0.47 / 0.53 around the 0.5 threshold
+        with torch.no_grad():
+            gate.bias.zero_()
+            gate.bias[:dead] = -100.0
+        for _ in range(5):
+            model(torch.rand(16, 100)).sum().backward()
+            monitor.step()
+            model.zero_grad()
+    monitor.close()
+    assert [w for w in monitor.alerts if w.kind == "dead_units"][0].value == pytest.approx(0.53)
+    assert len(monitor.alerts) <= 2, [a.message for a in monitor.alerts]
+
+
+def test_a_long_collapsing_run_has_at_most_two_onsets_per_layer_and_kind():
+    # a narrow ReLU MLP regressed towards zero: gradients shrink and units die slowly
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 6), nn.ReLU(),
+                          nn.Linear(6, 1))  # fmt: skip
+    x = torch.randn(256, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    monitor = GradMonitor(model, flush_every=50, optimizer=opt)
+    for _ in range(15000):
+        idx = torch.randint(0, 256, (16,))
+        model(x[idx]).square().mean().backward()
+        monitor.step()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    onsets: dict[tuple[str, str], int] = {}
+    for a in monitor.alerts:
+        onsets[(a.kind, a.layer)] = onsets.get((a.kind, a.layer), 0) + 1
+    assert monitor.alerts, "the run should collapse"
+    assert max(onsets.values()) <= 2, onsets
+
+
+# ------------------------------------------------------------ attention
+def test_multihead_attention_out_proj_gets_output_gradient_statistics():
+    from .reference import RetainedOutputs
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+    monitor = GradMonitor(model, flush_every=5, detail="full")
+    assert "layers.0.self_attn.out_proj" in monitor.layers
+    reference = RetainedOutputs(model, ["layers.0.self_attn"])  # the attention's output = out_proj's
+    model(torch.randn(3, 5, 16)).square().mean().backward()
+    monitor.step()
+    monitor.flush()
+    w = monitor.last_window
+    expected = reference.norm("layers.0.self_attn")
+    for name in ("layers.0.self_attn", "layers.0.self_attn.out_proj"):
+        assert w.out_grad_norm[0, w.layers.index(name)] == pytest.approx(expected, rel=1e-5)
+    assert w.dead_fraction[w.layers.index("layers.0.self_attn.out_proj")] == 0.0
+    monitor.close()
