@@ -50,8 +50,8 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
             ``trainer.should_stop``.
         include: fnmatch patterns on layer names (relative to the LightningModule).
         exclude: fnmatch patterns of layers to leave out.
-        logdir: where to write when the trainer has no TensorBoardLogger
-            (default: ``<trainer.default_root_dir>/gradwatch``).
+        logdir: where to write TensorBoard files when the trainer has no logger at all
+            (default: ``<trainer.default_root_dir>/lightning_logs/gradwatch``).
         histograms: also write per-layer gradient histograms at each flush
             (copies every gradient to the host; off by default).
         detail: ``"standard"`` (default: every step grad_norm and the non-finite checks,
@@ -91,21 +91,24 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
     # ------------------------------------------------------------ lifecycle
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._detach()
-        writer, logdir = self._find_writer(trainer)
+        writer, logdir, metric_loggers = self._outputs(trainer)
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
         monitor = GradMonitor(
             pl_module,
             writer=writer,
             logdir=logdir,
             flush_every=self.flush_every,
             config=self.config,
-            include=self.include,
+            include=self._include_for(trainer, pl_module),
             exclude=self.exclude,
             scaler=getattr(trainer.precision_plugin, "scaler", None),
             histograms=self.histograms,
             sync_dist=trainer.world_size > 1,
-            optimizer=trainer.optimizers[0] if trainer.optimizers else None,
+            optimizer=optimizer,
             detail=self.detail,
         )
+        for logger in metric_loggers:
+            monitor.add_metrics_callback(logger.log_metrics)
         if self._pending_state is not None:
             monitor.load_state_dict(self._pending_state)
             self._pending_state = None
@@ -176,15 +179,58 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
             self._alerts = monitor.alerts
             self._pending_state = monitor.state_dict()
 
-    def _find_writer(self, trainer: Any) -> tuple[Any, Optional[str]]:
-        """The trainer's TensorBoardLogger writer on rank 0, else a logdir of our own."""
+    def _outputs(self, trainer: Any) -> tuple[Any, Optional[str], list[Any]]:
+        """(TensorBoard writer, own log folder, loggers fed through log_metrics), on rank 0.
+
+        A TensorBoardLogger gets everything through its writer: the scalars (one event per
+        step, what its log_metrics would write, faster) and the TensorBoard-only output
+        (layout, heatmap images, alert text). Every other logger (CSV, MLflow, W&B, ...) gets
+        the scalars through ``log_metrics(metrics, step)`` at the step each value describes.
+        With no logger at all, gradwatch writes TensorBoard files of its own.
+        """
         if trainer.global_rank != 0:
-            return None, None
-        for logger in getattr(trainer, "loggers", []) or []:
-            if type(logger).__name__ == "TensorBoardLogger":
-                return logger.experiment, None
-        root = self.logdir or os.path.join(trainer.default_root_dir, "gradwatch")
-        return None, root
+            return None, None, []
+        loggers = list(getattr(trainer, "loggers", []) or [])
+        tensorboard = [lg for lg in loggers if _is_tensorboard_logger(lg)]
+        others = [lg for lg in loggers if not _is_tensorboard_logger(lg)]
+        if tensorboard:
+            return tensorboard[0].experiment, None, others + tensorboard[1:]
+        if others:
+            return None, None, others
+        return None, self.logdir or default_logdir(trainer.default_root_dir), []
+
+    def _include_for(self, trainer: Any, pl_module: Any) -> Any:
+        """With several optimizers, the layers of the first one (recorded at its steps); said at fit start."""
+        optimizers = list(trainer.optimizers or [])
+        if len(optimizers) <= 1:
+            return self.include
+        from .layers import discover_layers
+
+        first = {id(p) for group in optimizers[0].param_groups for p in group["params"]}
+        layers = discover_layers(pl_module, self.include, self.exclude)
+        mine = [layer.name for layer in layers if any(id(p) in first for p in layer.params)]
+        others = [layer.name for layer in layers if layer.name not in mine]
+        log.warning(
+            "gradwatch: this Trainer has %d optimizers; GradWatch records the layers the first one updates "
+            "(%s), at that optimizer's steps. Not monitored: %s. To watch another optimizer's layers, add a "
+            "GradWatch with include= those layers' names and its own logdir.",
+            len(optimizers), ", ".join(mine) or "none", ", ".join(others) or "none",
+        )  # fmt: skip
+        import glob as _glob
+
+        return [_glob.escape(name) for name in mine] or self.include
+
+
+def default_logdir(root_dir: str) -> str:
+    """Where GradWatch writes with no logger: ``<root>/lightning_logs/gradwatch``.
+
+    Never ``<root>/gradwatch``: run from a source checkout, that is the package folder.
+    """
+    return os.path.join(root_dir, "lightning_logs", "gradwatch")
+
+
+def _is_tensorboard_logger(logger: Any) -> bool:
+    return any(cls.__name__ == "TensorBoardLogger" for cls in type(logger).__mro__)
 
 
 def _grads_still_scaled(trainer: Any, optimizer: Any) -> bool:

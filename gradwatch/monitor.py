@@ -15,6 +15,7 @@ from .detectors import Assessment, HealthChecks, normalises_step
 from .hooks import HookSet
 from .layers import discover_layers
 from .recorder import Recorder
+from .sinks.metrics import describe, window_metrics
 from .sinks.tensorboard import TensorBoardSink
 from .failures import FailureLog
 from .updates import UpdateRatio
@@ -52,6 +53,7 @@ class GradMonitor:
         sync_dist: bool | None = None,
         optimizer: Any = None,
         detail: str = "standard",
+        metrics_callback: Callable[[dict[str, float], int], None] | None = None,
     ) -> None:
         if not isinstance(flush_every, int) or isinstance(flush_every, bool) or flush_every < 1:
             raise ValueError(f"flush_every must be an int >= 1 (steps per flush), got {flush_every!r}")
@@ -139,6 +141,10 @@ class GradMonitor:
         if is_writer and writer is not None:
             self._sink = TensorBoardSink(writer, owns_writer=False)
         self._open_own_writer()
+        self._metrics_callbacks: list[Callable[[dict[str, float], int], None]] = []
+        self._is_writer = is_writer
+        if metrics_callback is not None:
+            self.add_metrics_callback(metrics_callback)
         self._window_steps: list[int] = []
         self._next_step = 0
         self._closed = False
@@ -195,6 +201,18 @@ class GradMonitor:
             raise TypeError(f"callback must be callable, got {callback!r}")
         self._tracker.callbacks.append(callback)
 
+    def add_metrics_callback(self, callback: Callable[[dict[str, float], int], None]) -> None:
+        """Send every flushed step's scalars to ``callback(metrics, step)`` (any tracker).
+
+        Called at flush time, once per step the window describes, in step order, on the
+        writing rank only; ``metrics`` maps TensorBoard's tags (``gradwatch/grad_norm/<layer>``,
+        ``gradwatch/global/grad_norm``, ...) to floats. Steps are those of the past window:
+        see the README for trackers whose own step must only grow (W&B).
+        """
+        if not callable(callback):
+            raise TypeError(f"callback must be callable as callback(metrics: dict, step: int), got {callback!r}")
+        self._metrics_callbacks.append(callback)
+
     # ------------------------------------------------------------------ step
     def step(self, global_step: int | None = None, *, grads_scaled: bool = False) -> list[Alert]:
         """Record one optimizer step; flushes (and returns new alerts) every ``flush_every`` steps.
@@ -248,6 +266,10 @@ class GradMonitor:
             )
             if self.histograms and not final:
                 self._guarded("writing histograms", lambda: self._write_histograms(steps[-1]), None)
+        if self._metrics_callbacks and self._is_writer:
+            metrics = self._guarded("collecting metrics", lambda: window_metrics(window, len(self._tracker.alerts)), [])
+            for callback in self._metrics_callbacks:
+                self._guarded(f"sending metrics to {describe(callback)}", lambda: _send(callback, metrics), None)
         if window.steps:  # not a window of update measurements alone
             self.last_window = window
         stopping = [a for a in new if a.kind in self.config.stop_on]
@@ -415,6 +437,11 @@ class GradMonitor:
                 "not combined across ranks: each rank reports its own and only rank 0 writes. Attach the "
                 "monitor to the same model with the same include/exclude on every rank."
             )
+
+
+def _send(callback: Callable[[dict[str, float], int], None], metrics: list[tuple[int, dict[str, float]]]) -> None:
+    for step, values in metrics:
+        callback(values, step)
 
 
 def _dist_world_size() -> int:

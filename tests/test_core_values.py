@@ -342,3 +342,61 @@ def test_layer_first_used_mid_window_keeps_other_layers_unit_counters():
     # a's units got a gradient at step 0, so none is dead over the window
     assert monitor.last_window.dead_fraction.tolist() == [0.0, 0.0]
     monitor.close()
+
+
+def test_metrics_callback_receives_every_flushed_step_in_order():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    received: list[tuple[int, dict]] = []
+    monitor = GradMonitor(model, flush_every=3, metrics_callback=lambda m, s: received.append((s, dict(m))))
+    expected = {}
+    for step in range(7):
+        model(torch.randn(5, 4)).square().sum().backward()
+        expected[step] = float(torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1).double() for p in model[0].parameters()])))
+        monitor.step()
+        if step == 1:
+            assert received == []  # nothing before the first flush
+        model.zero_grad()
+    monitor.close()
+    assert [s for s, _ in received] == list(range(7))
+    for step, metrics in received:
+        assert metrics["gradwatch/grad_norm/0"] == pytest.approx(expected[step], rel=1e-6)
+        assert "gradwatch/global/grad_norm" in metrics
+    assert "gradwatch/dead_fraction/0" in received[2][1]  # the window's last step carries it
+    with pytest.raises(TypeError, match="callable"):
+        monitor.add_metrics_callback("wandb")  # type: ignore[arg-type]
+
+
+def test_a_failing_metrics_callback_is_one_warning(caplog):
+    import logging
+
+    model = nn.Linear(3, 1)
+
+    def broken(metrics, step):
+        raise ConnectionError("tracker unreachable")
+
+    monitor = GradMonitor(model, flush_every=1, metrics_callback=broken)
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        for _ in range(5):
+            model(torch.randn(2, 3)).sum().backward()
+            monitor.step()
+            model.zero_grad()
+        monitor.close()
+    assert sum("tracker unreachable" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_wandb_example_runs_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    import runpy
+    import sys
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setattr(sys, "argv", ["plain_loop_wandb.py", "--dir", str(tmp_path), "--steps", "60"])
+    runpy.run_path(str(__import__("pathlib").Path(__file__).parents[1] / "examples" / "plain_loop_wandb.py"),
+                   run_name="__main__")  # fmt: skip
+    from .test_lightning_loggers import _wandb_history
+
+    rows = _wandb_history(str(tmp_path / "wandb"))
+    steps = sorted(row["train/step"] for row in rows if "gradwatch/grad_norm/0" in row)
+    assert steps == list(range(60))  # every step kept, although they arrived after the fact

@@ -104,10 +104,10 @@ def test_stop_on_sets_should_stop(tmp_path):
     assert any(a.kind == "dead_units" for a in watch.alerts)
 
 
-def test_own_writer_under_default_root_dir_without_tensorboard_logger(tmp_path):
+def test_own_writer_under_default_root_dir_without_any_logger(tmp_path):
     trainer = _trainer(tmp_path, [GradWatch(flush_every=5)], max_steps=5, logger=False, limit_val_batches=0)
     trainer.fit(Regressor())
-    assert "gradwatch/grad_norm/net.0" in read_scalars(str(tmp_path / "gradwatch"))
+    assert "gradwatch/grad_norm/net.0" in read_scalars(str(tmp_path / "lightning_logs" / "gradwatch"))
 
 
 def test_pytorch_lightning_trainer_is_served_too(tmp_path):

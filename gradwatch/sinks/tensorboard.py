@@ -19,11 +19,10 @@ import numpy as np
 from ..alerts import Alert
 from ..window import Window
 from .heatmap import GradientFlowHeatmap
+from .scalars import LOG_RMS, PER_STEP_STATS, PREFIX, tag, window_scalars
 
 log = logging.getLogger("gradwatch")
 
-PREFIX = "gradwatch"
-PER_STEP_STATS = ("grad_norm", "grad_max", "nonfinite", "out_grad_norm")
 WINDOW_STATS = ("dead_fraction", "update_ratio")
 ALERTS_TAG = f"{PREFIX}/alerts"
 LAYERS_TAG = f"{PREFIX}/layers"  # the monitored layers in module order, one per line
@@ -56,11 +55,6 @@ def parse_alerts_markdown(text: str) -> list[dict[str, Any]]:
     for match in _ALERTS_JSON.finditer(text):
         found.extend(json.loads(match.group(1)))
     return found
-
-
-def tag(stat: str, layer: str) -> str:
-    """The TensorBoard tag of a statistic: gradwatch/<stat>/<layer> or gradwatch/global/<stat>."""
-    return f"{PREFIX}/global/{stat}" if layer == "" else f"{PREFIX}/{stat}/{layer}"
 
 
 def custom_scalars_layout() -> dict[str, Any]:
@@ -100,36 +94,8 @@ class TensorBoardSink:
             self.writer.add_custom_scalars(custom_scalars_layout())
             self.writer.add_text(LAYERS_TAG, "\n\n".join(w.layers), first)
             self.layout_dir = self.log_dir or ""
-        sampled = w.sampled[:, None] if w.sampled is not None else True
-        counted = w.nonfinite_counted[:, None] if w.nonfinite_counted is not None else True
-        per_step = {  # each statistic where it was recorded
-            "grad_norm": (w.grad_norm, w.has_grad),
-            "grad_max": (w.grad_max, w.has_grad & sampled),
-            "nonfinite": (w.nonfinite, w.has_grad & counted),
-            "out_grad_norm": (w.out_grad_norm, w.out_seen),
-        }
-        tags = {stat: [tag(stat, name) for name in w.layers] for stat in per_step}
-        last = len(w.steps) - 1
-        for t, step in enumerate(w.steps):
-            values: list[tuple[str, float]] = []
-            for stat, (table, mask) in per_step.items():
-                row, row_mask, row_tags = table[t], mask[t], tags[stat]
-                values.extend((row_tags[i], float(row[i])) for i in np.flatnonzero(row_mask))
-            if w.has_grad[t].any():  # the global norm exists exactly then
-                values.append((tag("grad_norm", ""), float(w.global_grad_norm[t])))
-                if w.nonfinite_counted is None or w.nonfinite_counted[t]:
-                    values.append((tag("nonfinite", ""), float(np.nansum(w.nonfinite[t]))))
-            if t == last:
-                for i in np.flatnonzero(np.isfinite(w.dead_fraction)):
-                    values.append((tag("dead_fraction", w.layers[i]), float(w.dead_fraction[i])))
-                values.append((tag("alerts", ""), float(total_alerts)))
-                if w.skipped is not None:
-                    values.append((tag("skipped_steps", ""), float(w.skipped.sum())))
+        for step, values in window_scalars(w, total_alerts, dashboard=True):
             self._add_scalars(values, step)
-        if w.update_ratio is not None:
-            for t, step in enumerate(w.update_steps):
-                row = w.update_ratio[t]
-                self._add_scalars([(tag("update_ratio", w.layers[i]), float(row[i])) for i in np.flatnonzero(np.isfinite(row))], step)
         if alerts:  # one text per flush: TensorBoard keeps one text per tag and step
             self.writer.add_text(ALERTS_TAG, alerts_markdown(alerts, (first, last)), last)
         if not w.steps:

@@ -1,0 +1,79 @@
+"""A flushed window as scalars: (step, [(tag, value), ...]) for every step it describes.
+
+The one place that decides which value is written where: each statistic at the steps
+where it was recorded (grad_max and output-gradient statistics on sampled steps with
+detail="standard"), window statistics at the window's last step, update ratios at the
+optimizer steps they were measured.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..window import Window
+
+PREFIX = "gradwatch"
+PER_STEP_STATS = ("grad_norm", "grad_max", "nonfinite", "out_grad_norm")
+#: The dashboard's magnitude view: log10 of the gradient RMS (grad_norm / sqrt(#elements)).
+LOG_RMS = "log10_grad_rms"
+
+
+def tag(stat: str, layer: str) -> str:
+    """The tag of a statistic: gradwatch/<stat>/<layer> or gradwatch/global/<stat>."""
+    return f"{PREFIX}/global/{stat}" if layer == "" else f"{PREFIX}/{stat}/{layer}"
+
+
+def window_scalars(w: Window, total_alerts: int, dashboard: bool = False) -> list[tuple[int, list[tuple[str, float]]]]:
+    """Every scalar of a window, grouped by the step it describes, in step order.
+
+    ``dashboard``: also the log10 gradient-RMS series the TensorBoard layout charts (a
+    vanishing layer sits decades below the others instead of flat on zero).
+    """
+    out: list[tuple[int, list[tuple[str, float]]]] = []
+    sampled = w.sampled[:, None] if w.sampled is not None else True
+    counted = w.nonfinite_counted[:, None] if w.nonfinite_counted is not None else True
+    per_step = {  # each statistic where it was recorded
+        "grad_norm": (w.grad_norm, w.has_grad),
+        "grad_max": (w.grad_max, w.has_grad & sampled),
+        "nonfinite": (w.nonfinite, w.has_grad & counted),
+        "out_grad_norm": (w.out_grad_norm, w.out_seen),
+    }
+    if dashboard:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            log_rms = np.log10(w.grad_rms)
+        per_step[LOG_RMS] = (log_rms, w.has_grad & np.isfinite(log_rms))
+    tags = {stat: [tag(stat, name) for name in w.layers] for stat in per_step}
+    last = len(w.steps) - 1
+    for t, step in enumerate(w.steps):
+        values: list[tuple[str, float]] = []
+        for stat, (table, mask) in per_step.items():
+            row, row_mask, row_tags = table[t], mask[t], tags[stat]
+            values.extend((row_tags[i], float(row[i])) for i in np.flatnonzero(row_mask))
+        if w.has_grad[t].any():  # the global norm exists exactly then
+            values.append((tag("grad_norm", ""), float(w.global_grad_norm[t])))
+            if w.nonfinite_counted is None or w.nonfinite_counted[t]:
+                values.append((tag("nonfinite", ""), float(np.nansum(w.nonfinite[t]))))
+        if t == last:
+            for i in np.flatnonzero(np.isfinite(w.dead_fraction)):
+                values.append((tag("dead_fraction", w.layers[i]), float(w.dead_fraction[i])))
+            values.append((tag("alerts", ""), float(total_alerts)))
+            if w.skipped is not None:
+                values.append((tag("skipped_steps", ""), float(w.skipped.sum())))
+        out.append((int(step), values))
+    if w.update_ratio is not None:
+        for t, step in enumerate(w.update_steps):
+            row = w.update_ratio[t]
+            values = [(tag("update_ratio", w.layers[i]), float(row[i])) for i in np.flatnonzero(np.isfinite(row))]
+            if values:
+                out.append((int(step), values))
+    out.sort(key=lambda item: item[0])  # an update measured after the previous window's last step
+    return out
+
+
+def as_dicts(scalars: list[tuple[int, list[tuple[str, float]]]]) -> list[tuple[int, dict[str, float]]]:
+    """The same, one dict per step (a step that appears twice is merged). Non-finite values stay:
+    a NaN grad_norm is what a tracker should show at that step."""
+    merged: dict[int, dict[str, float]] = {}
+    for step, values in scalars:
+        merged.setdefault(step, {}).update(values)
+    return sorted(merged.items())

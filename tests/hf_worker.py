@@ -1,0 +1,43 @@
+"""Worker for the torchrun test: python -m torch.distributed.run --nproc_per_node 2 tests/hf_worker.py OUT
+
+Two CPU processes (gloo) train a tiny GPT-2 with the Hugging Face Trainer and GradWatchCallback;
+each writes what it saw to OUT/rank<R>.json.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import transformers
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gradwatch.hf import GradWatchCallback  # noqa: E402
+from tests.test_hf import _Tokens  # noqa: E402
+
+
+def main(out: str) -> None:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                     bos_token_id=0, eos_token_id=0)  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    args = transformers.TrainingArguments(
+        output_dir=out, max_steps=4, per_device_train_batch_size=2, learning_rate=1e-3, logging_steps=1,
+        report_to=[], use_cpu=True, save_strategy="no", ddp_backend="gloo", seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    watch = GradWatchCallback(flush_every=2)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=[watch])
+    trainer.train()
+    rank = int(os.environ["RANK"])
+    logged = {e["step"]: e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"world": torch.distributed.get_world_size(), "logged": logged,
+                   "hooks_left": sum(len(m._forward_hooks) for m in model.modules())}, f)  # fmt: skip
+    sys.stdout.flush()
+    torch.distributed.destroy_process_group()
+    os._exit(0)  # see tests/dist_helpers.run_worker: gloo threads can abort interpreter finalisation
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

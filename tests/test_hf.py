@@ -1,0 +1,144 @@
+"""GradWatchCallback with the real Hugging Face Trainer (a tiny GPT-2 built from a config, no downloads)."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from gradwatch.hf import GradWatchCallback  # noqa: E402
+
+from .conftest import read_scalars  # noqa: E402
+
+LAYERS = ("transformer.wte", "transformer.h.0.attn.c_attn", "transformer.h.1.mlp.c_proj", "transformer.ln_f")
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 64, (n, 16), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class _RawNorms(transformers.TrainerCallback):
+    """Per-layer grad_norm from p.grad at on_pre_optimizer_step, keyed by the step the Trainer logs it at."""
+
+    def __init__(self) -> None:
+        self.norms: dict[int, dict[str, float]] = {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.norms[state.global_step + 1] = {
+            name: float(torch.linalg.vector_norm(torch.cat(
+                [p.grad.reshape(-1).double() for p in model.get_submodule(name).parameters(recurse=False)])))
+            for name in LAYERS
+        }  # fmt: skip
+
+
+def _train(tmp_path, callbacks, max_grad_norm, accumulation=1, steps=6, report_to=()):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                     bos_token_id=0, eos_token_id=0)  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=2, learning_rate=0.0,
+        max_grad_norm=max_grad_norm, gradient_accumulation_steps=accumulation, logging_steps=1,
+        report_to=list(report_to), use_cpu=True, save_strategy="no", seed=0, data_seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=callbacks)
+    trainer.train()
+    return trainer, model
+
+
+def test_statistics_are_of_the_gradients_before_clipping_at_the_trainers_steps(tmp_path):
+    reference = _RawNorms()
+    _train(tmp_path / "reference", [reference], max_grad_norm=0.0)  # no clipping: the raw gradients
+    watch = GradWatchCallback(flush_every=4)
+    trainer, model = _train(tmp_path / "clipped", [watch], max_grad_norm=0.5)
+    scalars = read_scalars(str(tmp_path / "clipped" / "gradwatch"))
+    for name in LAYERS:
+        got = scalars[f"gradwatch/grad_norm/{name}"]
+        assert sorted(got) == list(range(1, 7))
+        for step, value in got.items():
+            assert value == pytest.approx(reference.norms[step][name], rel=1e-4), (name, step)
+    # the clip really changed the gradients the optimizer saw: pre-clip norms are above 0.5
+    logged = {e["step"]: e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e}
+    assert sorted(logged) == list(range(1, 7)) and min(logged.values()) > 0.5
+    for step, value in logged.items():  # the Trainer's own logged (pre-clip) norm at the same step
+        assert scalars["gradwatch/global/grad_norm"][step] == pytest.approx(value, rel=1e-4)
+    assert all(not m._forward_hooks for m in model.modules())  # hooks removed when training ends
+    assert "clip_grad_norm_" not in trainer.accelerator.__dict__  # and the wrapper too
+
+
+def test_gradient_accumulation_gives_one_record_per_optimizer_step(tmp_path):
+    watch = GradWatchCallback(flush_every=5)
+    trainer, _ = _train(tmp_path, [watch], max_grad_norm=1.0, accumulation=2, steps=5)
+    scalars = read_scalars(str(tmp_path / "gradwatch"))
+    assert sorted(scalars["gradwatch/grad_norm/transformer.wte"]) == [1, 2, 3, 4, 5]
+    logged = {e["step"]: e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e}
+    for step, value in logged.items():
+        assert scalars["gradwatch/global/grad_norm"][step] == pytest.approx(value, rel=1e-4)
+
+
+def test_writes_into_the_trainers_tensorboard_run_when_it_reports_there(tmp_path):
+    pytest.importorskip("tensorboard")
+    watch = GradWatchCallback(flush_every=3)
+    _train(tmp_path, [watch], max_grad_norm=1.0, report_to=["tensorboard"])
+    runs = {os.path.dirname(p) for p in glob.glob(str(tmp_path / "**" / "events.out.tfevents.*"), recursive=True)}
+    assert len(runs) == 1  # one folder: the Trainer's own TensorBoard run
+    scalars = read_scalars(runs.pop())
+    assert "gradwatch/grad_norm/transformer.wte" in scalars and "train/loss" in scalars
+    assert not os.path.exists(tmp_path / "gradwatch")
+
+
+def test_stop_on_stops_training_through_the_control():
+    from gradwatch import HealthConfig
+
+    config = HealthConfig(stop_on=frozenset({"exploding"}), exploding_abs_norm=1e-6)  # every step "explodes"
+    watch = GradWatchCallback(flush_every=2, config=config)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer, _ = _train(tmp, [watch], max_grad_norm=1.0, steps=20)
+    assert trainer.state.global_step == 2  # stopped after the first flush
+    assert any(a.kind == "exploding" for a in watch.alerts)
+
+
+def test_import_gradwatch_imports_neither_transformers_nor_lightning():
+    import subprocess
+    import sys
+
+    code = "import sys, gradwatch; print(sorted(m for m in ('transformers', 'accelerate', 'lightning', 'pytorch_lightning') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_torchrun_two_cpu_processes_rank_zero_writes(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from .dist_helpers import ROOT, free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           os.path.join(ROOT, "tests", "hf_worker.py"), str(tmp_path)]  # fmt: skip
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    assert all(r["world"] == 2 and r["hooks_left"] == 0 for r in ranks)
+    files = glob.glob(str(tmp_path / "**" / "events.out.tfevents.*"), recursive=True)
+    assert len(files) == 1  # only rank 0 wrote
+    scalars = read_scalars(str(tmp_path / "gradwatch"))
+    logged = {int(k): v for k, v in ranks[0]["logged"].items()}
+    assert sorted(scalars["gradwatch/global/grad_norm"]) == sorted(logged) == [1, 2, 3, 4]
+    for step, value in logged.items():  # DDP-averaged gradients, as the Trainer logs them
+        assert scalars["gradwatch/global/grad_norm"][step] == pytest.approx(value, rel=1e-4)
