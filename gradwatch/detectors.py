@@ -98,7 +98,7 @@ class HealthChecks:
             self._exploding(w, valid, result)
             vanishing = self._vanishing(w, valid, result)
         dead = self._dead(w, result)
-        self._root_causes(result, vanishing, dead)
+        self._root_causes(result, vanishing, dead, _forward_order(w))
         n_skipped = int(skipped.sum())
         if n_skipped:
             self.skipped_steps += n_skipped
@@ -269,7 +269,9 @@ class HealthChecks:
                 result.clear.add(("dead_units", name))
         return findings
 
-    def _root_causes(self, result: Assessment, vanishing: list[Finding], dead: list[Finding]) -> None:
+    def _root_causes(
+        self, result: Assessment, vanishing: list[Finding], dead: list[Finding], order: list[str]
+    ) -> None:
         """Report root causes, not their symptoms, then add the kept findings.
 
         - A layer with dead units has a zero gradient because of them: dead_units, not vanishing.
@@ -278,29 +280,31 @@ class HealthChecks:
         - A zero-gradient layer in a vanishing run (its next layer vanishing too) is a deep
           stack underflowing, not dead units (a dead ReLU layer sits below a healthy one).
         """
-        position = {name: i for i, name in enumerate(self.layers)}
+        # Neighbours in the order the layers ran (module order is not data flow: a ModuleList of
+        # branches lists every branch's first layer before their second ones).
+        position = {name: i for i, name in enumerate(order)}
         vanished = {f.layer: f for f in vanishing}
-        dead = [f for f in dead if not (f.layer in vanished and _successor(self.layers, f.layer) in vanished)]
+        dead = [f for f in dead if not (f.layer in vanished and _successor(order, f.layer) in vanished)]
         explained: set[str] = set()
-        complete = sorted(position[f.layer] for f in dead if f.value >= 0.999)
-        if complete:
-            # After a completely dead layer every later layer sees a constant input: dead units
-            # there are its consequence, named in its alert, not separate conditions.
-            first = complete[0]
-            after = [f for f in dead if position[f.layer] > first]
-            if after:
-                root = next(f for f in dead if position[f.layer] == first)
-                root.detail += f"; the dead units of {_describe([f.layer for f in after])} after it follow from it"
-                dead = [f for f in dead if position[f.layer] <= first]
+        by_position = {position[f.layer]: f for f in dead}
+        for i in sorted(by_position):
+            root, successor = by_position.get(i), by_position.get(i + 1)
+            if root is not None and root.value >= 0.999 and successor is not None:
+                # The layer right after a completely dead one sees its constant output: dead units
+                # there are a consequence, named in its alert, not a separate condition. (Only
+                # the next layer: module order is not data flow across parallel branches.)
+                root.detail += f"; the dead units of layer {successor.layer} after it follow from it"
+                by_position.pop(i + 1)
+        dead = [by_position[i] for i in sorted(by_position)]
         for f in dead:
             explained.add(f.layer)
             if f.value < 0.999:
                 continue
             upstream = []
             for i in range(position[f.layer] - 1, -1, -1):  # the contiguous vanishing run before it
-                if self.layers[i] not in vanished:
+                if order[i] not in vanished:
                     break
-                upstream.append(self.layers[i])
+                upstream.append(order[i])
             if upstream:
                 explained.update(upstream)
                 f.detail += (
@@ -433,6 +437,18 @@ def _columns(saved: list, saved_names: list[str], names: list[str], rows: int) -
         values = [np.nan if v is None else v for v in by_name.get(name, [])][:rows]
         out[: len(values), j] = values
     return out
+
+
+def _forward_order(w: Window) -> list[str]:
+    """The window's layers in the order they ran (its last step's forward order), then the rest
+    in module order."""
+    ran: list[int] = []
+    for fwd, _ in reversed(w.step_orders):
+        if fwd:
+            ran = list(dict.fromkeys(fwd))
+            break
+    seen = set(ran)
+    return [w.layers[i] for i in ran] + [name for i, name in enumerate(w.layers) if i not in seen]
 
 
 def _successor(layers: list[str], name: str) -> str | None:
