@@ -23,7 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train a small model on generated data with the monitor")
-    demo.add_argument("--logdir", default="runs/gradwatch-demo", help="TensorBoard log folder (default: %(default)s)")
+    demo.add_argument("--logdir", default="runs/gradwatch-demo",
+                      help="parent folder; each demo writes its own run folder in it, named by fault and time "
+                           "(default: %(default)s)")  # fmt: skip
     demo.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps (default: %(default)s)")
     demo.add_argument("--fault", choices=FAULTS, default="none", help="a gradient pathology to make on purpose")
 

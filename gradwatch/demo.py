@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import sys
 import time
 from typing import TextIO
@@ -14,6 +16,7 @@ from .alerts import Alert
 from .monitor import GradMonitor
 
 FAULTS = ("none", "exploding", "vanishing", "dead", "nan")
+_COUNTER = itertools.count()
 
 
 def build_model(fault: str) -> nn.Module:
@@ -51,7 +54,13 @@ def run_demo(
     torch.manual_seed(seed)
     model = build_model(fault)
     teacher = torch.randn(32, 4) / 32**0.5
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    # The vanishing demo trains with SGD, whose step is the gradient: there a layer five decades
+    # below the others really stops learning. Adam would rescue it (its step is normalised), and
+    # gradwatch, told the optimizer, would rightly judge it by the absolute floor only.
+    if fault == "vanishing":
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     fault_step = max(steps * 2 // 3, 1) if steps > 40 else steps - 1
     handler = logging.StreamHandler(out)
     handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
@@ -59,10 +68,13 @@ def run_demo(
     logger.addHandler(handler)
     old_level = logger.level
     logger.setLevel(logging.WARNING)
-    print(f"gradwatch demo: {steps} steps, fault={fault}, TensorBoard logs in {logdir}", file=out)
+    # Each demo its own run folder, so that runs never mix: TensorBoard and `gradwatch report`
+    # on the parent folder show them side by side.
+    run_dir = os.path.join(logdir, run_name(fault))
+    print(f"gradwatch demo: {steps} steps, fault={fault}, TensorBoard logs in {run_dir}", file=out)
     started = time.monotonic()
     try:
-        with GradMonitor(model, logdir=logdir, flush_every=flush_every) as monitor:
+        with GradMonitor(model, logdir=run_dir, flush_every=flush_every, optimizer=opt) as monitor:
             for step in range(steps):
                 x = torch.randn(64, 32)
                 y = torch.tanh(x @ teacher)
@@ -92,8 +104,17 @@ def run_demo(
     else:
         print("\nno alerts: gradients look healthy", file=out)
     print(f"\nOpen the dashboard:  tensorboard --logdir {logdir}", file=out)
+    print("  then the Custom Scalars tab (gradient RMS per layer, log scale) and the Images tab", file=out)
     print(f"Summarise it here:   gradwatch report {logdir}", file=out)
     return alerts
+
+
+def run_name(fault: str) -> str:
+    """A run folder name that tells demos apart: the fault and the time, e.g. ``dead-20261130-171503``.
+
+    Two demos started in the same second get a suffix.
+    """
+    return f"{fault}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 1000:03d}{next(_COUNTER):02d}"
 
 
 def _poison_output(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

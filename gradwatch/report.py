@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .sinks.tensorboard import ALERTS_TAG, LAYERS_TAG, PREFIX, parse_alerts_markdown
+from .sinks.tensorboard import ALERTS_TAG, LAYERS_TAG, PREFIX, parse_alerts_markdown, parse_layers_markdown
 
 
 class ReportError(Exception):
@@ -27,6 +27,7 @@ class LayerSummary:
     grad_norm_max: float
     dead_fraction: float | None
     alerts: int
+    update_ratio_median: float | None = None  # with optimizer=: the median measured update ratio
 
 
 @dataclass
@@ -46,7 +47,7 @@ def read_runs(logdir: str) -> list[RunReport]:
 
     by_run: dict[str, list[str]] = {}
     for path in sorted(glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"), recursive=True)):
-        by_run.setdefault(os.path.relpath(os.path.dirname(path), logdir), []).append(path)
+        by_run.setdefault(_run_name(os.path.dirname(path), logdir), []).append(path)
     reports = []
     for run, paths in sorted(by_run.items()):
         scalars: dict[str, dict[int, float]] = {}
@@ -66,12 +67,19 @@ def read_runs(logdir: str) -> list[RunReport]:
                 elif _is_text_tag(tag, LAYERS_TAG) and not layer_order:
                     for event in acc.Tensors(tag)[:1]:
                         text = b"".join(event.tensor_proto.string_val).decode("utf-8", "replace")
-                        layer_order = [name for name in text.split("\n\n") if name]
+                        layer_order = parse_layers_markdown(text)
         if scalars:
             reports.append(_summarise(run, scalars, texts, layer_order))
     if not reports:
         raise ReportError(f"no gradwatch data (TensorBoard scalars under '{PREFIX}/') in {logdir}")
     return reports
+
+
+def _run_name(folder: str, logdir: str) -> str:
+    """A run's name: its folder relative to LOGDIR (as TensorBoard names runs); the folder's own
+    name for event files directly in LOGDIR (TensorBoard says ".")."""
+    relative = os.path.relpath(folder, logdir)
+    return os.path.basename(os.path.abspath(logdir)) if relative == "." else relative
 
 
 def _is_text_tag(tag: str, base: str) -> bool:
@@ -96,6 +104,9 @@ def _summarise(
         values = np.array(list(series.values()), dtype=float)
         finite = values[np.isfinite(values)]
         dead = scalars.get(dead_prefix + layer)
+        updates = scalars.get(f"{PREFIX}/update_ratio/" + layer)
+        update_values = np.array(list(updates.values()), dtype=float) if updates else np.array([])
+        update_values = update_values[np.isfinite(update_values)]
         report.layers.append(
             LayerSummary(
                 layer=layer,
@@ -105,6 +116,7 @@ def _summarise(
                 grad_norm_max=float(finite.max()) if finite.size else float("nan"),
                 dead_fraction=dead[max(dead)] if dead else None,
                 alerts=sum(1 for a in alerts if a["layer"] == layer),
+                update_ratio_median=float(np.median(update_values)) if update_values.size else None,
             )
         )
     order = {name: i for i, name in enumerate(layer_order or _layer_order(scalars))}
@@ -133,6 +145,7 @@ def to_json(reports: list[RunReport]) -> str:
                             "steps": s.steps,
                             "grad_norm": {"min": _num(s.grad_norm_min), "median": _num(s.grad_norm_median), "max": _num(s.grad_norm_max)},
                             "dead_fraction": s.dead_fraction,
+                            "update_ratio_median": s.update_ratio_median,
                             "alerts": s.alerts,
                         }
                         for s in r.layers
@@ -154,7 +167,10 @@ def to_text(reports: list[RunReport]) -> str:
     lines = []
     for r in reports:
         lines.append(f"run {r.run!s}: steps {r.first_step}-{r.last_step}, {len(r.layers)} layers, {len(r.alerts)} alert(s)")
-        header = ["layer", "steps", "norm min", "norm median", "norm max", "dead", "alerts"]
+        with_updates = any(s.update_ratio_median is not None for s in r.layers)
+        header = ["layer", "steps", "norm min", "norm median", "norm max", "dead"]
+        header += ["update ratio"] if with_updates else []
+        header += ["alerts"]
         rows = [
             [
                 s.layer,
@@ -163,8 +179,9 @@ def to_text(reports: list[RunReport]) -> str:
                 f"{s.grad_norm_median:.3g}",
                 f"{s.grad_norm_max:.3g}",
                 "-" if s.dead_fraction is None else f"{s.dead_fraction:.0%}",
-                str(s.alerts) if s.alerts else "",
             ]
+            + ([("-" if s.update_ratio_median is None else f"{s.update_ratio_median:.2g}")] if with_updates else [])
+            + [str(s.alerts) if s.alerts else ""]
             for s in r.layers
         ]
         widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]

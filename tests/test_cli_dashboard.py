@@ -108,26 +108,45 @@ def _get_json(url: str):
         return json.loads(response.read().decode())
 
 
-def test_tensorboard_server_serves_scalars_layout_and_images(demo_runs):
-    logdir = demo_runs["dead"][0]
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", logdir, "--host", "127.0.0.1",
-         "--port", str(port), "--load_fast=false", "--reload_interval", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}/data/plugin"
-    try:
-        deadline = time.monotonic() + 90
-        scalar_tags: dict = {}
+class TensorBoardServer:
+    """A real `tensorboard` server on 127.0.0.1 with its default settings (as users run it)."""
+
+    def __init__(self, logdir: str) -> None:
+        self.port = _free_port()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tensorboard.main", "--logdir", logdir, "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        self.base = f"http://127.0.0.1:{self.port}/data/plugin"
+
+    def get(self, path: str):
+        return _get_json(f"{self.base}/{path}")
+
+    def wait_for(self, plugin: str, tag: str, timeout: float = 90) -> dict:
+        """The plugin's tags once ``tag`` is loaded (default reload: every 5 s)."""
+        deadline = time.monotonic() + timeout
+        tags: dict = {}
         while time.monotonic() < deadline:
             try:
-                scalar_tags = _get_json(f"{base}/scalars/tags")
-                if any("gradwatch/grad_norm/0" in tags for tags in scalar_tags.values()):
-                    break
+                tags = self.get(f"{plugin}/tags")
+                if any(tag in run_tags for run_tags in tags.values()):
+                    return tags
             except OSError:
                 pass
             time.sleep(0.5)
+        raise AssertionError(f"{tag} not served by {plugin} within {timeout}s: {tags}")
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+def test_tensorboard_server_serves_scalars_layout_and_images(demo_runs):
+    logdir = demo_runs["dead"][0]
+    server = TensorBoardServer(logdir)
+    base = server.base
+    try:
+        scalar_tags = server.wait_for("scalars", "gradwatch/grad_norm/0")
         tags = set().union(*[set(t) for t in scalar_tags.values()]) if scalar_tags else set()
         for expected in ("gradwatch/grad_norm/0", "gradwatch/out_grad_norm/6", "gradwatch/dead_fraction/0",
                          "gradwatch/global/grad_norm", "gradwatch/global/alerts"):  # fmt: skip
@@ -149,9 +168,90 @@ def test_tensorboard_server_serves_scalars_layout_and_images(demo_runs):
             assert r.read(8) == b"\x89PNG\r\n\x1a\n"
         texts = _get_json(f"{base}/text/tags")
         assert any(any(t.startswith("gradwatch/alerts") for t in tags) for tags in texts.values())
+        assert "gradwatch/log10_grad_rms/0" in tags  # the log-scale magnitude series, the dead layer too
+        floor = _get_json(f"{base}/scalars/scalars?run={urllib.request.quote(run)}&tag=gradwatch/log10_grad_rms/0")
+        assert {point[2] for point in floor} == {-30.0}  # a zero gradient drawn at the floor
+        first = layout["category"][0]["chart"][0]
+        assert "log10" in first["title"] and first["multiline"]["tag"] == ["^gradwatch/log10_grad_rms/.*"]
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        server.close()
+
+
+def test_every_alert_of_a_flush_is_visible_with_tensorboards_default_loader(tmp_path):
+    """TensorBoard keeps one text per tag and step: all alerts of a flush must be in that one."""
+    import torch
+    from torch import nn
+
+    from gradwatch import GradMonitor
+
+    class ThreeBranches(nn.Module):  # a dead ReLU layer in each of three parallel branches
+        def __init__(self):
+            super().__init__()
+            self.dead = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+            self.out = nn.ModuleList(nn.Linear(16, 2) for _ in range(3))
+            with torch.no_grad():
+                for layer in self.dead:
+                    layer.bias.fill_(-100.0)
+
+        def forward(self, x):
+            return sum(out(torch.relu(dead(x))) for dead, out in zip(self.dead, self.out))
+
+    model = ThreeBranches()
+    with GradMonitor(model, logdir=str(tmp_path), flush_every=5) as monitor:
+        for _ in range(5):
+            model(torch.randn(32, 16)).sum().backward()
+            monitor.step()
+            model.zero_grad()
+    dead_alerts = [a for a in monitor.alerts if a.kind == "dead_units"]
+    assert sorted(a.layer for a in dead_alerts) == ["dead.0", "dead.1", "dead.2"] and {a.step for a in dead_alerts} == {4}
+    server = TensorBoardServer(str(tmp_path))
+    try:
+        texts = server.wait_for("text", "gradwatch/alerts/text_summary")
+        run = next(r for r, tags in texts.items() if "gradwatch/alerts/text_summary" in tags)
+        shown = server.get(f"text/text?run={urllib.request.quote(run)}&tag=gradwatch/alerts/text_summary")
+        html = " ".join(entry["text"] for entry in shown)
+        for layer in ("dead.0", "dead.1", "dead.2"):
+            assert f"<td>{layer}</td>" in html, html[:2000]
+        assert "gradwatch-alerts-json" not in html  # the machine-readable copy is not shown
+    finally:
+        server.close()
+
+
+def test_the_window_of_an_alert_always_gets_its_heatmap(tmp_path):
+    pytest.importorskip("matplotlib")
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import IMAGES, EventAccumulator
+    from torch import nn
+
+    from gradwatch import GradMonitor
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    with GradMonitor(model, logdir=str(tmp_path), flush_every=5) as monitor:
+        for step in range(60):  # microsecond steps: the 1% budget leaves most windows undrawn
+            out = model(torch.randn(4, 4))
+            if step == 37:
+                out = out * float("nan")
+            out.sum().backward()
+            monitor.step()
+            model.zero_grad()
+    assert [(a.kind, a.step) for a in monitor.alerts] == [("nonfinite", 37)]
+    events = EventAccumulator(str(tmp_path), size_guidance={IMAGES: 0})
+    events.Reload()
+    at_alerts = [image.step for image in events.Images("gradwatch/gradient_flow_at_alerts")]
+    budgeted = [image.step for image in events.Images("gradwatch/gradient_flow")]
+    assert at_alerts == [39]
+    assert len(budgeted) < 11 and budgeted[-1] == 59  # budgeted, last window always drawn
+
+
+def test_two_demos_into_one_folder_are_two_runs(tmp_path, capsys):
+    run_demo(logdir=str(tmp_path), steps=30, out=io.StringIO())
+    run_demo(logdir=str(tmp_path), steps=30, fault="dead", out=io.StringIO())
+    assert main(["report", str(tmp_path), "--format", "json"]) == 1
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    names = sorted(r["run"] for r in runs)
+    assert len(runs) == 2 and names[0].startswith("dead-") and names[1].startswith("none-")
+    by_fault = {r["run"].split("-")[0]: r for r in runs}
+    assert by_fault["none"]["alerts"] == [] and by_fault["dead"]["alerts"]
 
 
 def test_heatmap_skipped_cleanly_without_matplotlib(tmp_path, monkeypatch, caplog):
@@ -226,7 +326,7 @@ def test_no_histograms_by_default(demo_runs):
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    path = glob.glob(os.path.join(demo_runs["none"][0], "events.out.tfevents.*"))[0]
+    path = glob.glob(os.path.join(demo_runs["none"][0], "**", "events.out.tfevents.*"), recursive=True)[0]
     acc = EventAccumulator(path, size_guidance={"histograms": 0})
     acc.Reload()
     assert acc.Tags()["histograms"] == []
@@ -266,7 +366,9 @@ def test_heatmap_redraws_only_pixels_and_matches_a_full_draw():
 
     reference = GradientFlowHeatmap()
     reference.render(first)  # the same colour range as `reused`
-    reference._draw_figure(second, log_rms(second))  # a whole new figure for the second window
+    reference._layout(second)  # a whole new figure for the second window, then its drawing
+    reference._image.set_data(np.ma.masked_invalid(log_rms(second)))
+    reference._draw_changing_parts(second, [])
     full = np.asarray(reference._figure.canvas.buffer_rgba())[:, :, :3]
     assert np.array_equal(image_second, full)
 

@@ -395,8 +395,11 @@ def test_wandb_example_runs_offline(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["plain_loop_wandb.py", "--dir", str(tmp_path), "--steps", "60"])
     runpy.run_path(str(__import__("pathlib").Path(__file__).parents[1] / "examples" / "plain_loop_wandb.py"),
                    run_name="__main__")  # fmt: skip
+    import wandb
+
     from .test_lightning_loggers import _wandb_history
 
+    wandb.teardown()  # waits for W&B's core process to finish writing the run's file
     rows = _wandb_history(str(tmp_path / "wandb"))
     steps = sorted(row["train/step"] for row in rows if "gradwatch/grad_norm/0" in row)
     assert steps == list(range(60))  # every step kept, although they arrived after the fact

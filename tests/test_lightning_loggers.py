@@ -135,6 +135,7 @@ def test_wandb_logger_offline_keeps_values_of_past_steps(tmp_path, monkeypatch):
     import wandb
 
     wandb.finish()
+    wandb.teardown()  # waits for W&B's core process to finish writing the run's file
     series: dict[str, dict[int, float]] = {}
     for row in _wandb_history(str(tmp_path / "wandb")):
         step = row.get("trainer/global_step")

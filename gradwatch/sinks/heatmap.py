@@ -1,13 +1,17 @@
 """The gradient-flow heatmap: log10 gradient RMS, layers x steps of one window.
 
-Drawing a labelled matplotlib figure from scratch costs 150-350 ms of CPU
-(text layout of every layer name, the colour bar, ``tight_layout``), too much
-for every flush. ``GradientFlowHeatmap`` draws the whole figure once per
-(layers, window length, colour range) and afterwards redraws only the image
-pixels and the frame over a saved background (``copy_from_bbox`` /
-``restore_region`` / ``Axes.draw_artist``), ~10-15 ms for 25 layers x 50 steps. The colour
-range is fixed per figure, so colours mean the same in every image of a run;
-a window outside it triggers one full redraw with a wider range.
+Drawing a labelled matplotlib figure from scratch costs 150-350 ms of CPU (text
+layout of every layer name, the colour bar, ``tight_layout``), too much for every
+flush. ``GradientFlowHeatmap`` lays the figure out once per (layers, window
+length, colour range) and afterwards redraws only what changes: the image pixels,
+the frame, the step numbers under the ticks and the markers of alert steps, over a
+saved background (``copy_from_bbox`` / ``restore_region`` / ``Axes.draw_artist``),
+~10-15 ms for 25 layers x 50 steps. The colour range is fixed per figure, so colours
+mean the same in every image of a run; a window outside it gets a new layout.
+
+Sized for TensorBoard's image card: 360 px wide (drawn at the card's size, not scaled
+down into it), 7-8 pt text, labelled axes and colour bar, x ticks at regular offsets
+labelled with the training steps, long layer names shortened from the left.
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ import numpy as np
 
 from ..window import Window
 
-_TITLE = "gradient flow: log10 gradient RMS per layer (grey: none, zero or non-finite)"
+_TITLE = "gradient flow (grey: no or zero gradient)"
+_WIDTH_PX = 360  # TensorBoard's image card: drawn at its size, not scaled down into it
+_DPI = 80
+_LABEL_CHARS = 22  # longer layer names keep their end (the part that tells layers apart)
+_ALERT_COLOUR = "#d62728"
+_NICE_STEPS = (1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000)
 
 
 def log_rms(w: Window) -> np.ndarray:
@@ -27,6 +36,17 @@ def log_rms(w: Window) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         rms = np.where(w.has_grad, w.grad_rms, np.nan)
         return np.log10(np.where(rms > 0, rms, np.nan)).T
+
+
+def _short(name: str) -> str:
+    """A layer name that fits the card: its end, where nested names differ."""
+    return name if len(name) <= _LABEL_CHARS else "..." + name[-(_LABEL_CHARS - 3) :]
+
+
+def tick_offsets(n_steps: int, most: int = 8) -> list[int]:
+    """Regular tick positions 0, k, 2k, ... in a window of ``n_steps`` (k a round number)."""
+    every = next((k for k in _NICE_STEPS if math.ceil(n_steps / k) <= most), n_steps)
+    return list(range(0, n_steps, every))
 
 
 class GradientFlowHeatmap:
@@ -40,10 +60,15 @@ class GradientFlowHeatmap:
         self._image: Any = None
         self._background: Any = None
         self._animated: list[Any] = []
+        self._tick_labels: list[Any] = []
+        self._offsets: list[int] = []
         self.full_draws = 0  # how many times the whole figure was laid out and drawn
 
-    def render(self, w: Window) -> np.ndarray | None:
-        """An RGB image (H, W, 3, uint8), or None for an empty window; ImportError without matplotlib."""
+    def render(self, w: Window, alert_steps: list[int] | None = None) -> np.ndarray | None:
+        """An RGB image (H, W, 3, uint8), or None for an empty window; ImportError without matplotlib.
+
+        ``alert_steps``: steps of the window to mark (the steps of this flush's alerts).
+        """
         import matplotlib  # noqa: F401  (fail early and cleanly without it)
 
         if not w.steps or not w.layers:
@@ -60,55 +85,75 @@ class GradientFlowHeatmap:
                 low, high = min(low, self._range[0]), max(high, self._range[1])
             self._range = (low, high)
             self._key = key
-            self._draw_figure(w, values)
-        else:
-            self._image.set_data(np.ma.masked_invalid(values))
-            self._draw_pixels()
+            self._layout(w)
+        self._image.set_data(np.ma.masked_invalid(values))
+        self._draw_changing_parts(w, alert_steps or [])
         rgba = np.asarray(self._figure.canvas.buffer_rgba())
         return np.ascontiguousarray(rgba[:, :, :3])
 
-    def _draw_figure(self, w: Window, values: np.ndarray) -> None:
+    def _layout(self, w: Window) -> None:
         import matplotlib
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure  # no pyplot: no global state
 
         n_layers, n_steps = len(w.layers), len(w.steps)
-        figure = Figure(figsize=(8, min(2.0 + 0.22 * n_layers, 14.0)), dpi=80)
+        label_every = max(1, math.ceil(n_layers / 40))  # at most ~40 readable layer names
+        rows = min(n_layers, 40)
+        height = 1.5 + 0.15 * rows  # ~12 px per labelled row at 80 dpi
+        figure = Figure(figsize=(_WIDTH_PX / _DPI, height), dpi=_DPI)
         canvas = FigureCanvasAgg(figure)
         axes = figure.add_subplot(1, 1, 1)
         cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#bbbbbb")
         image = axes.imshow(
-            np.ma.masked_invalid(values),
-            aspect="auto",
-            cmap=cmap,
-            interpolation="nearest",
-            vmin=self._range[0],
-            vmax=self._range[1],
-        )
-        axes.set_yticks(range(n_layers))
-        axes.set_yticklabels(w.layers if n_layers <= 60 else [""] * n_layers, fontsize=7)
-        # Offsets, not absolute steps, so the labels stay right when only the pixels are
-        # redrawn; the image's own TensorBoard step is the window's last step.
-        ticks = np.linspace(0, n_steps - 1, min(n_steps, 8)).round().astype(int)
-        axes.set_xticks(ticks)
-        axes.set_xticklabels([f"+{t}" for t in ticks], fontsize=7)
-        axes.set_xlabel(f"step in the window ({n_steps} steps; the image's step is the last one)", fontsize=8)
+            np.full((n_layers, n_steps), np.nan), aspect="auto", cmap=cmap, interpolation="nearest",
+            vmin=self._range[0], vmax=self._range[1],
+        )  # fmt: skip
+        axes.set_yticks(range(0, n_layers, label_every))
+        axes.set_yticklabels([_short(name) for name in w.layers[::label_every]], fontsize=7)
+        self._offsets = tick_offsets(n_steps, most=5)
+        axes.set_xticks(self._offsets)
+        axes.set_xticklabels([""] * len(self._offsets))  # the step numbers are drawn per window
+        axes.set_xlabel("training step", fontsize=8, labelpad=10)
+        axes.set_ylabel("layer", fontsize=8)
         axes.set_title(_TITLE, fontsize=8)
-        figure.colorbar(image, ax=axes, fraction=0.04)
+        colorbar = figure.colorbar(image, ax=axes, fraction=0.06, pad=0.03)
+        colorbar.set_label("log10 gradient RMS", fontsize=8)
+        colorbar.ax.tick_params(labelsize=7)
         figure.tight_layout()
+        # Text for the step numbers under the ticks, positioned once, animated: redrawn per window.
+        transform = axes.get_xaxis_transform()
+        self._tick_labels = [
+            axes.text(x, -0.01, "", transform=transform, ha="center", va="top", fontsize=7, animated=True)
+            for x in self._offsets
+        ]
         # Animated artists are left out of canvas.draw(): the background is everything
-        # else, saved once; each image is then the background, the pixels and the frame
-        # on top (the frame lies on the image's edge), in the order a full draw uses.
+        # else, saved once; each image is then the background with the pixels, the frame,
+        # the step numbers and the alert markers on top, in the order a full draw uses.
         self._animated = [image, *axes.spines.values()]
         for artist in self._animated:
             artist.set_animated(True)
         canvas.draw()
         self._background = canvas.copy_from_bbox(figure.bbox)
         self._figure, self._axes, self._image = figure, axes, image
-        self._draw_pixels()
         self.full_draws += 1
 
-    def _draw_pixels(self) -> None:
+    def _draw_changing_parts(self, w: Window, alert_steps: list[int]) -> None:
         self._figure.canvas.restore_region(self._background)
-        for artist in self._animated:
-            self._axes.draw_artist(artist)
+        axes = self._axes
+        axes.draw_artist(self._image)
+        markers = []
+        for step in sorted(set(alert_steps)):
+            if step in w.steps:  # a red line at the step of an alert, across every layer
+                t = w.steps.index(step)
+                markers.append(axes.axvline(t, color=_ALERT_COLOUR, linewidth=1.5, alpha=0.9, animated=True))
+        for marker in markers:
+            axes.draw_artist(marker)
+        for spine in axes.spines.values():
+            axes.draw_artist(spine)
+        for label, offset in zip(self._tick_labels, self._offsets):
+            step = w.steps[offset]
+            label.set_text(str(step))
+            label.set_color(_ALERT_COLOUR if step in alert_steps else "black")
+            axes.draw_artist(label)
+        for marker in markers:
+            marker.remove()

@@ -16,6 +16,9 @@ PREFIX = "gradwatch"
 PER_STEP_STATS = ("grad_norm", "grad_max", "nonfinite", "out_grad_norm")
 #: The dashboard's magnitude view: log10 of the gradient RMS (grad_norm / sqrt(#elements)).
 LOG_RMS = "log10_grad_rms"
+#: A zero gradient is drawn at this log10 value, a line far below every real one (a dead or
+#: vanished layer stays on the chart instead of disappearing from it).
+LOG_RMS_FLOOR = -30.0
 
 
 def tag(stat: str, layer: str) -> str:
@@ -40,7 +43,7 @@ def window_scalars(w: Window, total_alerts: int, dashboard: bool = False) -> lis
     }
     if dashboard:
         with np.errstate(divide="ignore", invalid="ignore"):
-            log_rms = np.log10(w.grad_rms)
+            log_rms = np.log10(np.maximum(w.grad_rms, 10.0**LOG_RMS_FLOOR))  # NaN stays NaN: not written
         per_step[LOG_RMS] = (log_rms, w.has_grad & np.isfinite(log_rms))
     tags = {stat: [tag(stat, name) for name in w.layers] for stat in per_step}
     last = len(w.steps) - 1

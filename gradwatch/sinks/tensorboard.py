@@ -25,7 +25,9 @@ log = logging.getLogger("gradwatch")
 
 WINDOW_STATS = ("dead_fraction", "update_ratio")
 ALERTS_TAG = f"{PREFIX}/alerts"
-LAYERS_TAG = f"{PREFIX}/layers"  # the monitored layers in module order, one per line
+LAYERS_TAG = f"{PREFIX}/layers"  # the monitored layers in module order (layers_markdown)
+HEATMAP_TAG = f"{PREFIX}/gradient_flow"  # the heatmap of windows within the drawing budget
+HEATMAP_ALERTS_TAG = f"{PREFIX}/gradient_flow_at_alerts"  # the heatmap of every window that raised an alert
 
 # The alerts of a flush as JSON, inside an HTML comment of the alert text: TensorBoard's
 # sanitiser drops comments from what it shows, `gradwatch report` reads them back.
@@ -37,16 +39,36 @@ def alerts_markdown(alerts: list[Alert], steps: tuple[int, int]) -> str:
     lines = [
         f"**{len(alerts)} new alert{'s' if len(alerts) != 1 else ''}** in steps {steps[0]}-{steps[1]}",
         "",
-        "| kind | layer | step | value | threshold | message |",
-        "|---|---|---|---|---|---|",
+        "| kind | layer | step | value | threshold |",
+        "|---|---|---|---|---|",
     ]
     for a in alerts:
-        cells = [a.kind, a.layer or "(whole model)", str(a.step), f"{a.value:.4g}", f"{a.threshold:.4g}", a.message]
+        cells = [a.kind, a.layer or "(whole model)", str(a.step), f"{a.value:.4g}", f"{a.threshold:.4g}"]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    lines += ["", "What each says:", ""]
+    lines += [f"- {a.message}" for a in alerts]
     # Inside the comment nothing may read "--" ("-->" would close it); in JSON only strings can hold it.
     data = json.dumps([a.to_dict() for a in alerts]).replace("--", "-\\u002d")
     lines += ["", f"<!-- gradwatch-alerts-json: {data} -->"]
     return "\n".join(lines)
+
+
+_LAYERS_JSON = re.compile(r"<!-- gradwatch-layers-json: (.*?) -->", re.S)
+
+
+def layers_markdown(layers: list[str]) -> str:
+    """The monitored layers on one line to read, and as JSON (in a comment) to parse."""
+    shown = ", ".join(f"`{name}`" for name in layers)
+    data = json.dumps(layers).replace("--", "-\\u002d")
+    return f"**{len(layers)} monitored layers**, in module order: {shown}\n\n<!-- gradwatch-layers-json: {data} -->"
+
+
+def parse_layers_markdown(text: str) -> list[str]:
+    """The layers written by :func:`layers_markdown` (or, for older logs, one per paragraph)."""
+    match = _LAYERS_JSON.search(text)
+    if match:
+        return list(json.loads(match.group(1)))
+    return [name for name in text.split("\n\n") if name]
 
 
 def parse_alerts_markdown(text: str) -> list[dict[str, Any]]:
@@ -57,12 +79,33 @@ def parse_alerts_markdown(text: str) -> list[dict[str, Any]]:
     return found
 
 
-def custom_scalars_layout() -> dict[str, Any]:
-    """One chart per statistic with every layer in it, plus the global norm and alert count."""
-    charts = {stat: ["Multiline", [rf"^{PREFIX}/{stat}/.*"]] for stat in PER_STEP_STATS + WINDOW_STATS}
+#: The first chart: gradient magnitude on a log scale, where a vanishing layer stands out
+#: (decades below the others) instead of lying flat on zero beside them.
+LOG_RMS_CHART = "gradient RMS per layer, log10 (a vanishing layer sits decades below; zero at -30)"
+
+
+#: Layers per chart of the by-layer category: few enough that TensorBoard's markers and
+#: tooltip tell them apart (its scalar charts colour series by run, not by tag).
+LAYERS_PER_CHART = 6
+
+
+def custom_scalars_layout(layers: list[str] | None = None) -> dict[str, Any]:
+    """The magnitude chart first, then one chart per statistic with every layer in it, then the
+    global norm and the alert count; and, given the layers, the magnitude again in charts of
+    ``LAYERS_PER_CHART`` layers each (module order), where each layer can be told apart."""
+    charts = {LOG_RMS_CHART: ["Multiline", [rf"^{PREFIX}/{LOG_RMS}/.*"]]}
+    charts.update({stat: ["Multiline", [rf"^{PREFIX}/{stat}/.*"]] for stat in PER_STEP_STATS + WINDOW_STATS})
     charts["global grad_norm"] = ["Multiline", [rf"^{PREFIX}/global/grad_norm$"]]
     charts["alerts"] = ["Multiline", [rf"^{PREFIX}/global/alerts$"]]
-    return {"gradwatch": charts}
+    layout: dict[str, Any] = {"gradwatch": charts}
+    if layers:
+        by_layer = {}
+        for start in range(0, len(layers), LAYERS_PER_CHART):
+            group = layers[start : start + LAYERS_PER_CHART]
+            title = f"layers {group[0]} .. {group[-1]}" if len(group) > 1 else f"layer {group[0]}"
+            by_layer[title] = ["Multiline", [rf"^{PREFIX}/{LOG_RMS}/{re.escape(name)}$" for name in group]]
+        layout["gradwatch: log10 gradient RMS by layer"] = by_layer
+    return layout
 
 
 class TensorBoardSink:
@@ -91,8 +134,8 @@ class TensorBoardSink:
         described = w.steps + w.update_steps
         first, last = min(described), max(described)
         if not self.layout_written:
-            self.writer.add_custom_scalars(custom_scalars_layout())
-            self.writer.add_text(LAYERS_TAG, "\n\n".join(w.layers), first)
+            self.writer.add_custom_scalars(custom_scalars_layout(w.layers))
+            self.writer.add_text(LAYERS_TAG, layers_markdown(w.layers), first)
             self.layout_dir = self.log_dir or ""
         for step, values in window_scalars(w, total_alerts, dashboard=True):
             self._add_scalars(values, step)
@@ -102,9 +145,11 @@ class TensorBoardSink:
             return
         now = time.monotonic()
         cost = self._heatmap_cost
-        if self.heatmap and (final or cost is None or cost <= self.heatmap_budget * (now - self._last_heatmap)):
+        due = cost is None or cost <= self.heatmap_budget * (now - self._last_heatmap)
+        # A window that raised an alert is always drawn, whatever the budget: it is the one that matters.
+        if self.heatmap and w.steps and (final or alerts or due):
             first = self._heatmap is None
-            self._add_heatmap(w)
+            self._add_heatmap(w, [a.step for a in alerts])
             self._last_heatmap = time.monotonic()
             # The first drawing also imports matplotlib and lays the figure out: not a
             # measure of what the next one costs.
@@ -144,17 +189,20 @@ class TensorBoardSink:
         summary = Summary(value=[Summary.Value(tag=name, simple_value=v) for name, v in values])
         get_file_writer().add_summary(summary, step)
 
-    def _add_heatmap(self, w: Window) -> None:
+    def _add_heatmap(self, w: Window, alert_steps: list[int] | None = None) -> None:
         if self._heatmap is None:
             self._heatmap = GradientFlowHeatmap()
         try:
-            image = self._heatmap.render(w)
+            image = self._heatmap.render(w, alert_steps)
         except ImportError:
             log.info("gradwatch: install matplotlib (pip install gradwatch[plot]) for the gradient-flow heatmap")
             self.heatmap = False
             return
         if image is not None:
-            self.writer.add_image(f"{PREFIX}/gradient_flow", image, w.steps[-1], dataformats="HWC")
+            # TensorBoard shows a sample of 10 images per tag: windows with alerts get a tag of
+            # their own, so that each of them stays on the dashboard of a long run.
+            name = HEATMAP_ALERTS_TAG if alert_steps else HEATMAP_TAG
+            self.writer.add_image(name, image, w.steps[-1], dataformats="HWC")
 
     def close(self) -> None:
         """Draw the last window's heatmap if it was not; flush; close the writer only if gradwatch created it."""
