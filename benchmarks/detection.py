@@ -28,6 +28,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gradwatch import GradMonitor  # noqa: E402
+from gradwatch.demo import build_model  # noqa: E402
 
 FLUSH_EVERY = 25
 
@@ -81,14 +82,8 @@ def _steps(model, opt, loss_fn, fault: Callable[[int, torch.Tensor], torch.Tenso
 
 
 # ----------------------------------------------------------------- pathologies
-def sigmoid_stack():  # Glorot & Bengio 2010: saturating sigmoids, small weights
-    layers: list[nn.Module] = [nn.Linear(32, 64), nn.Sigmoid()]
-    for _ in range(24):
-        lin = nn.Linear(64, 64)
-        nn.init.normal_(lin.weight, std=0.05)
-        nn.init.zeros_(lin.bias)
-        layers += [lin, nn.Sigmoid()]
-    model = nn.Sequential(*layers, nn.Linear(64, 4))
+def sigmoid_stack():  # Glorot & Bengio 2010: saturating sigmoids, small weights (the demo's stack)
+    model = build_model("vanishing")
     return _steps(model, torch.optim.SGD(model.parameters(), lr=0.01), _regression(n_in=32))
 
 

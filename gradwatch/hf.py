@@ -29,7 +29,7 @@ from typing import Any, Optional, Union
 
 from .alerts import Alert, GradientHealthError
 from .config import HealthConfig
-from .monitor import DETAILS, GradMonitor
+from .monitor import GradMonitor, check_settings
 
 log = logging.getLogger("gradwatch")
 
@@ -67,14 +67,8 @@ class GradWatchCallback(TrainerCallback):
         histograms: bool = False,
         detail: str = "standard",
     ) -> None:
-        if not isinstance(flush_every, int) or isinstance(flush_every, bool) or flush_every < 1:
-            raise ValueError(f"flush_every must be an int >= 1 (optimizer steps per flush), got {flush_every!r}")
-        if config is not None and not isinstance(config, HealthConfig):
-            raise TypeError(f"config must be a gradwatch.HealthConfig, got {type(config).__name__}")
-        if detail not in DETAILS:
-            raise ValueError(f"detail must be one of {list(DETAILS)}, got {detail!r}")
+        self.config = check_settings(flush_every, config, detail)
         self.flush_every = flush_every
-        self.config = config or HealthConfig()
         self.include = include
         self.exclude = exclude
         self.logdir = logdir

@@ -69,17 +69,11 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
         detail: str = "standard",
     ) -> None:
         super().__init__()
-        from .monitor import DETAILS
+        from .monitor import check_settings
 
-        if detail not in DETAILS:
-            raise ValueError(f"detail must be one of {list(DETAILS)}, got {detail!r}")
+        self.config = check_settings(flush_every, config, detail)
         self.detail = detail
-        if not isinstance(flush_every, int) or isinstance(flush_every, bool) or flush_every < 1:
-            raise ValueError(f"flush_every must be an int >= 1 (optimizer steps per flush), got {flush_every!r}")
-        if config is not None and not isinstance(config, HealthConfig):
-            raise TypeError(f"config must be a gradwatch.HealthConfig, got {type(config).__name__}")
         self.flush_every = flush_every
-        self.config = config or HealthConfig()
         self.include = include
         self.exclude = exclude
         self.logdir = logdir

@@ -55,23 +55,12 @@ class GradMonitor:
         detail: str = "standard",
         metrics_callback: Callable[[dict[str, float], int], None] | None = None,
     ) -> None:
-        if not isinstance(flush_every, int) or isinstance(flush_every, bool) or flush_every < 1:
-            raise ValueError(f"flush_every must be an int >= 1 (steps per flush), got {flush_every!r}")
-        if config is None:
-            config = HealthConfig()
-        elif not isinstance(config, HealthConfig):
-            raise TypeError(f"config must be a gradwatch.HealthConfig, got {type(config).__name__}")
+        config = check_settings(flush_every, config, detail)
         if logdir is not None and writer is not None:
             raise ValueError("pass either logdir (gradwatch owns a writer) or writer (yours), not both")
         if scaler is not None and not (hasattr(scaler, "is_enabled") and hasattr(scaler, "_scale")):
             raise TypeError(
                 f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}"
-            )
-        if detail not in DETAILS:
-            raise ValueError(
-                f"detail must be one of {list(DETAILS)}: 'standard' (the default, meant to stay on: every step "
-                f"has grad_norm and the non-finite checks, some steps every statistic) or 'full' (every "
-                f"statistic at every step), got {detail!r}"
             )
         if sync_dist is not None and not isinstance(sync_dist, bool):
             raise TypeError(f"sync_dist must be True, False or None (automatic), got {sync_dist!r}")
@@ -437,6 +426,25 @@ class GradMonitor:
                 "not combined across ranks: each rank reports its own and only rank 0 writes. Attach the "
                 "monitor to the same model with the same include/exclude on every rank."
             )
+
+
+def check_settings(flush_every: Any, config: Any, detail: Any) -> HealthConfig:
+    """Check the knobs GradMonitor and the callbacks share; returns the HealthConfig to use.
+
+    The callbacks call it when they are built, so a wrong value fails at once, with the same
+    message, not when training starts.
+    """
+    if not isinstance(flush_every, int) or isinstance(flush_every, bool) or flush_every < 1:
+        raise ValueError(f"flush_every must be an int >= 1 (optimizer steps per flush), got {flush_every!r}")
+    if config is not None and not isinstance(config, HealthConfig):
+        raise TypeError(f"config must be a gradwatch.HealthConfig, got {type(config).__name__}")
+    if detail not in DETAILS:
+        raise ValueError(
+            f"detail must be one of {list(DETAILS)}: 'standard' (the default, meant to stay on: every step "
+            f"has grad_norm and the non-finite checks, some steps every statistic) or 'full' (every "
+            f"statistic at every step), got {detail!r}"
+        )
+    return config if config is not None else HealthConfig()
 
 
 def _send(callback: Callable[[dict[str, float], int], None], metrics: list[tuple[int, dict[str, float]]]) -> None:

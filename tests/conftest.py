@@ -27,6 +27,30 @@ def read_scalars(logdir: str) -> dict[str, dict[int, float]]:
     return dict(out)
 
 
+def regression_batches(n_in=16, n_out=4, batch=32, seed=0):
+    """make() -> (x, y): random inputs and a fixed teacher's tanh targets, a learnable task."""
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(n_in, n_out, generator=g) / n_in**0.5
+
+    def make():
+        x = torch.randn(batch, n_in)
+        return x, torch.tanh(x @ teacher)
+
+    return make
+
+
+def sigmoid_stack(depth: int = 30, width: int = 32, n_out: int = 4) -> nn.Module:
+    """A deep stack of sigmoid layers with small weights: its first layers' gradients vanish
+    (Glorot and Bengio 2010)."""
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        lin = nn.Linear(width, width)
+        nn.init.normal_(lin.weight, std=0.05)
+        nn.init.zeros_(lin.bias)
+        layers += [lin, nn.Sigmoid()]
+    return nn.Sequential(*layers, nn.Linear(width, n_out))
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -11,16 +11,8 @@ from torch import nn
 
 from gradwatch import GradMonitor, HealthConfig
 
-
-def _regression(n_in=16, n_out=4, batch=32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    teacher = torch.randn(n_in, n_out, generator=g) / n_in**0.5
-
-    def make():
-        x = torch.randn(batch, n_in)
-        return x, torch.tanh(x @ teacher)
-
-    return make
+from .conftest import regression_batches as _regression
+from .conftest import sigmoid_stack
 
 
 def _run(model, steps, flush_every=10, opt=None, lr=1e-3, make=None, loss_hook=None, config=None, **kwargs):
@@ -186,13 +178,7 @@ def test_layers_before_a_dead_layer_are_explained_by_it():
 
 def test_a_deep_sigmoid_stack_is_a_few_warning_lines_naming_the_first_layer_first(caplog):
     torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(30):
-        lin = nn.Linear(32, 32)
-        nn.init.normal_(lin.weight, std=0.05)
-        nn.init.zeros_(lin.bias)
-        layers += [lin, nn.Sigmoid()]
-    model = nn.Sequential(*layers, nn.Linear(32, 4))
+    model = sigmoid_stack()
     with caplog.at_level(logging.WARNING, logger="gradwatch"):
         monitor = _run(model, steps=10, opt=torch.optim.SGD(model.parameters(), lr=1e-4), make=_regression(n_in=32))
     vanishing = [a for a in monitor.alerts if a.kind == "vanishing"]

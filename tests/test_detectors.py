@@ -10,6 +10,9 @@ from torch import nn
 
 from gradwatch import Alert, GradientHealthError, GradMonitor, HealthConfig
 
+from .conftest import regression_batches as _regression_batch
+from .conftest import sigmoid_stack
+
 
 def _train(model, monitor, steps, make_batch, loss_fn, lr=1e-3, opt=None, before_step=None, poison=None):
     opt = opt or torch.optim.Adam(model.parameters(), lr=lr)
@@ -26,17 +29,6 @@ def _train(model, monitor, steps, make_batch, loss_fn, lr=1e-3, opt=None, before
         opt.zero_grad()
     monitor.close()
     return monitor.alerts
-
-
-def _regression_batch(n_in=16, n_out=4, batch=32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    teacher = torch.randn(n_in, n_out, generator=g) / n_in**0.5
-
-    def make():
-        x = torch.randn(batch, n_in)
-        return x, torch.tanh(x @ teacher)
-
-    return make
 
 
 def _kinds(alerts: list[Alert], kind: str) -> list[Alert]:
@@ -99,13 +91,7 @@ def _train_no_close(model, monitor, steps, make):
 
 # ------------------------------------------------------------------ vanishing
 def test_deep_sigmoid_stack_vanishes_in_first_layers_not_last():
-    layers = []
-    for _ in range(30):
-        lin = nn.Linear(32, 32)
-        nn.init.normal_(lin.weight, std=0.05)
-        nn.init.zeros_(lin.bias)
-        layers += [lin, nn.Sigmoid()]
-    model = nn.Sequential(*layers, nn.Linear(32, 4))
+    model = sigmoid_stack()
     monitor = GradMonitor(model, flush_every=10)
     alerts = _train(model, monitor, 10, _regression_batch(n_in=32), nn.functional.mse_loss, lr=1e-4)
     vanishing = {a.layer for a in _kinds(alerts, "vanishing")}
