@@ -77,6 +77,7 @@ class GradWatchCallback(TrainerCallback):
         self.monitor: Optional[GradMonitor] = None
         self._alerts: list[Alert] = []
         self._state: Any = None  # the Trainer's TrainerState, for the step number
+        self._scaler: Any = None  # accelerate's GradScaler under fp16 AMP
         self._accelerator: Any = None  # whose clip_grad_norm_ is wrapped
         self._recorded_at: Optional[int] = None  # the last step recorded before clipping
         self._stop = False
@@ -95,6 +96,7 @@ class GradWatchCallback(TrainerCallback):
         scaler = getattr(accelerator, "scaler", None)
         writer, logdir = self._outputs(args, state, trainer)
         self._state = state
+        self._scaler = scaler if scaler is not None and hasattr(scaler, "_scale") else None
         self.monitor = GradMonitor(
             model,
             writer=writer,
@@ -103,7 +105,7 @@ class GradWatchCallback(TrainerCallback):
             config=self.config,
             include=self.include,
             exclude=self.exclude,
-            scaler=scaler if scaler is not None and hasattr(scaler, "_scale") else None,
+            scaler=self._scaler,
             histograms=self.histograms,
             optimizer=getattr(optimizer, "optimizer", optimizer),  # accelerate wraps the optimizer
             detail=self.detail,
@@ -147,7 +149,7 @@ class GradWatchCallback(TrainerCallback):
         if monitor is None or self._recorded_at == step:
             return
         self._recorded_at = step
-        scaler = monitor._scaler
+        scaler = self._scaler
         try:
             # Before the clip, accelerate has not unscaled the gradients yet (fp16 AMP).
             monitor.step(step, grads_scaled=before_clip and scaler is not None and scaler.is_enabled())
