@@ -464,8 +464,9 @@ def _dist_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-# Per step: four float64 device statistics per parameter tensor (and one host count),
-# three per layer (and one host count).
+# Per step: three float64 device statistics per parameter tensor (param_sq, param_max,
+# param_nonfinite) and one host count (param_present, copied into the buffer at flush); two per
+# layer (out_sq, fwd_sum) and one host count (out_calls).
 _BYTES_PER_STEP_AND_TENSOR = 3 * 8 + 8
 _BYTES_PER_STEP_AND_LAYER = 2 * 8 + 8
 _MAX_WINDOW_BYTES = 1 << 30

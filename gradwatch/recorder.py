@@ -112,10 +112,9 @@ class Recorder:
 
         self.slot = 0
         # Sampled steps record every statistic; the others (detail="standard") record the
-        # per-tensor sums of squares and the forward check only. Slot 0 of every window is
-        # sampled, so every window has output-gradient statistics and dead-unit evidence.
-        # Slots 0 and 1 of every window, then every sample_every-th: dead units are judged on
-        # at least two distinct steps, and a typical window has them at its own flush.
+        # per-tensor sums of squares and the forward check only. Slots 0 and 1 of every window
+        # are sampled, then every sample_every-th: every window has output-gradient statistics,
+        # and dead units are judged on at least two distinct steps at the window's own flush.
         self.sample_every = max(1, int(sample_every))
         self.sampled_slots = (np.arange(F) % self.sample_every == 0) | (np.arange(F) == 1)
         self.sampling = True  # whether the current step is a sampled one
@@ -262,9 +261,9 @@ class Recorder:
 
     def fold(self) -> None:
         """Reduce the queued output-gradient partials into the current step's row."""
-        slot = self.slot
         if not self._pending_layer:
             return
+        slot = self.slot
         layers_of = self._pending_layer
         key = tuple(layers_of)
         n_layers = len(self.layers)
@@ -407,8 +406,10 @@ def build_window(host: dict[str, np.ndarray], steps: list[int], rec: Recorder, d
     present = host[PARAM_PRESENT][:n] > 0
     owner = ps.param_layer
 
-    def per_layer(values: np.ndarray, how: str) -> np.ndarray:
-        out = np.zeros((n, n_layers)) if how == "sum" else np.full((n, n_layers), -np.inf)
+    def per_layer(values: np.ndarray, how: str = "sum") -> np.ndarray:
+        """[rows, tensor] -> [rows, layer]: the sum (or maximum) over each layer's tensors."""
+        rows = values.shape[0]
+        out = np.zeros((rows, n_layers)) if how == "sum" else np.full((rows, n_layers), -np.inf)
         if how == "sum":
             np.add.at(out.T, owner, values.T)
         else:
@@ -460,9 +461,7 @@ def build_window(host: dict[str, np.ndarray], steps: list[int], rec: Recorder, d
         judged = seen & (ps.ndim >= 2)[None, :]  # weight matrices and kernels (not norms, biases, scales)
 
         def layer_sum(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
-            out = np.zeros((u, n_layers))
-            np.add.at(out.T, owner, np.where(mask, values, 0.0).T)
-            return out
+            return per_layer(np.where(mask, values, 0.0))
 
         measured = layer_sum(seen.astype(np.float64), seen) > 0
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -610,18 +609,21 @@ def _output_grad_reducer(
         torch.sum(vector if vector is not None else squares.reshape(-1), 0, out=slot)
         return None, vector
 
-    if ndim <= 1 or not per_unit:
+    if not per_unit:
 
         def total_only(g: torch.Tensor, slot: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
             if slot is None or not g.is_contiguous():
-                return general(g, slot) if per_unit else (_norm_or_slot(g, slot, acc), None)
+                return _norm_or_slot(g, slot, acc), None
             if g.requires_grad:
                 g = g.detach()
             flat = (g if g.dtype == f32 else g.to(f32)).view(-1)
             torch.dot(flat, flat, out=slot)
             return None, None
 
-        return total_only if not per_unit else general
+        return total_only
+
+    if ndim <= 1:
+        return general
 
     if unit_dim == 1 and ndim >= 3:  # (N, C, *spatial): one norm per (sample, channel) row
 
