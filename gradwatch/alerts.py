@@ -159,7 +159,7 @@ class AlertTracker:
                     log.log(level, "%s%s", format_message(f), suffix)
                 continue
             names = [f.layer or "(whole model)" for f in group]
-            shown = ", ".join(names[:8]) + (f", ... ({len(names) - 8} more)" if len(names) > 8 else "")
+            shown = _first_few(names)
             steps = sorted({f.step for f in group})
             at = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
             values = [f.value for f in group]
@@ -177,8 +177,7 @@ class AlertTracker:
         for kind, layers in by_kind.items():
             layers.sort(key=lambda name: self._position.get(name, -1))
             where = [f"layer {name}" if name else "the whole model" for name in layers]
-            text = ", ".join(where[:8]) + (f", ... ({len(where) - 8} more)" if len(where) > 8 else "")
-            log.log(level, "[gradwatch] %s in %s recovered by step %d", kind, text, step)
+            log.log(level, "[gradwatch] %s in %s recovered by step %d", kind, _first_few(where), step)
 
     def _level(self, kind: str) -> int:
         """ERROR for non-finite values, WARNING otherwise; DEBUG on non-writing ranks."""
@@ -198,3 +197,8 @@ class AlertTracker:
         self.active = {(entry[0], entry[1]): [int(entry[2]), int(entry[3]) if len(entry) > 3 else 0]
                        for entry in state.get("active", [])}  # fmt: skip
         self.onsets = {(k, layer): int(n) for k, layer, n in state.get("onsets", [])}
+
+
+def _first_few(names: list[str], most: int = 8) -> str:
+    """'a, b, c' or, beyond ``most`` names, the first ones and how many more."""
+    return ", ".join(names[:most]) + (f", ... ({len(names) - most} more)" if len(names) > most else "")

@@ -96,14 +96,12 @@ class HealthConfig:
             )
         finite_positive("update_ratio_max")
         finite_positive("update_ratio_min_weight_rms", allow_zero=True)
-        for name in ("update_ratio_steps", "recovery_flushes"):
+        counts = {"update_ratio_steps": 1, "recovery_flushes": 1, "exploding_warmup_steps": 0,
+                  "dead_min_units": 0, "dead_min_samples": 0, "remind_every": 0}  # name: minimum
+        for name, minimum in counts.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"HealthConfig.{name} must be an int >= 1, got {value!r}")
-        for name in ("exploding_warmup_steps", "dead_min_units", "dead_min_samples", "remind_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"HealthConfig.{name} must be an int >= 0, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"HealthConfig.{name} must be an int >= {minimum}, got {value!r}")
         if isinstance(self.stop_on, str):
             self.stop_on = frozenset([self.stop_on])
         stop_on = frozenset(self.stop_on)

@@ -393,14 +393,14 @@ class HealthChecks:
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         def column_lists(array: np.ndarray) -> list:
-            return [[None if np.isnan(v) else float(v) for v in column] for column in array.T]
+            return [_nullable(column) for column in array.T]
 
         return {
             "layers": list(self.layers),
-            "baseline": [None if np.isnan(b) else float(b) for b in self.baseline],
+            "baseline": _nullable(self.baseline),
             "recent": column_lists(self.recent),
             "recent_slot": [int(i) for i in self.recent_slot],
-            "last_calm": [None if np.isnan(b) else float(b) for b in self.last_calm],
+            "last_calm": _nullable(self.last_calm),
             "rms_history": column_lists(self.rms_history),
             "ratio_history": column_lists(self.ratio_history),
             "history_slot": int(self.history_slot),
@@ -410,16 +410,12 @@ class HealthChecks:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        names = state["layers"] + [""]
-        by_name = dict(zip(names, state["baseline"]))
-        self.baseline = np.array(
-            [np.nan if by_name.get(n) is None else by_name[n] for n in self.layers + [""]], dtype=float
-        )
-        last = dict(zip(names, state.get("last_calm", [])))
-        self.last_calm = np.array([np.nan if last.get(n) is None else last[n] for n in self.layers + [""]], dtype=float)
-        self.recent = _columns(state.get("recent", []), names, self.layers + [""], _RECENT_STEPS)
+        names, columns = state["layers"] + [""], self.layers + [""]  # per layer, then the global norm
+        self.baseline = _by_name(state["baseline"], names, columns)
+        self.last_calm = _by_name(state.get("last_calm", []), names, columns)
+        self.recent = _columns(state.get("recent", []), names, columns, _RECENT_STEPS)
         slots = dict(zip(names, state.get("recent_slot", [])))
-        self.recent_slot = np.array([int(slots.get(n, 0)) % _RECENT_STEPS for n in self.layers + [""]], dtype=np.int64)
+        self.recent_slot = np.array([int(slots.get(n, 0)) % _RECENT_STEPS for n in columns], dtype=np.int64)
         self.rms_history = _columns(state.get("rms_history", []), state["layers"], self.layers, _VANISHING_STEPS)
         self.ratio_history = _columns(state.get("ratio_history", []), state["layers"], self.layers, _VANISHING_STEPS)
         self.history_slot = int(state.get("history_slot", 0))
@@ -427,6 +423,17 @@ class HealthChecks:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         streaks = state.get("update_streak", {})
         self.update_streak = np.array([int(streaks.get(n, 0)) for n in self.layers], dtype=np.int64)
+
+
+def _nullable(values: np.ndarray) -> list:
+    """Floats for a state_dict, None for NaN (JSON has no NaN)."""
+    return [None if np.isnan(v) else float(v) for v in values]
+
+
+def _by_name(saved: list, saved_names: list[str], names: list[str]) -> np.ndarray:
+    """A float vector over ``names`` from values saved under ``saved_names`` (NaN: none saved)."""
+    by_name = dict(zip(saved_names, saved))
+    return np.array([np.nan if by_name.get(n) is None else by_name[n] for n in names], dtype=float)
 
 
 def _columns(saved: list, saved_names: list[str], names: list[str], rows: int) -> np.ndarray:

@@ -19,7 +19,7 @@ import numpy as np
 from ..alerts import Alert
 from ..window import Window
 from .heatmap import GradientFlowHeatmap
-from .scalars import LOG_RMS, PER_STEP_STATS, PREFIX, tag, window_scalars
+from .scalars import LOG_RMS, PER_STEP_STATS, PREFIX, window_scalars
 
 log = logging.getLogger("gradwatch")
 
@@ -29,9 +29,19 @@ LAYERS_TAG = f"{PREFIX}/layers"  # the monitored layers in module order (layers_
 HEATMAP_TAG = f"{PREFIX}/gradient_flow"  # the heatmap of windows within the drawing budget
 HEATMAP_ALERTS_TAG = f"{PREFIX}/gradient_flow_at_alerts"  # the heatmap of every window that raised an alert
 
-# The alerts of a flush as JSON, inside an HTML comment of the alert text: TensorBoard's
-# sanitiser drops comments from what it shows, `gradwatch report` reads them back.
-_ALERTS_JSON = re.compile(r"<!-- gradwatch-alerts-json: (.*?) -->", re.S)
+
+def _json_comment(label: str, data: Any) -> str:
+    """``data`` as JSON inside an HTML comment of a text: TensorBoard's sanitiser drops comments
+    from what it shows, `gradwatch report` reads them back (:func:`_json_comments`)."""
+    # Inside the comment nothing may read "--" ("-->" would close it); in JSON only strings can hold it.
+    text = json.dumps(data).replace("--", "-\\u002d")
+    return f"<!-- gradwatch-{label}-json: {text} -->"
+
+
+def _json_comments(label: str, text: str) -> list[Any]:
+    """Every value :func:`_json_comment` wrote under ``label`` into ``text``, in order."""
+    pattern = rf"<!-- gradwatch-{re.escape(label)}-json: (.*?) -->"
+    return [json.loads(match.group(1)) for match in re.finditer(pattern, text, re.S)]
 
 
 def alerts_markdown(alerts: list[Alert], steps: tuple[int, int]) -> str:
@@ -47,36 +57,27 @@ def alerts_markdown(alerts: list[Alert], steps: tuple[int, int]) -> str:
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     lines += ["", "What each says:", ""]
     lines += [f"- {a.message}" for a in alerts]
-    # Inside the comment nothing may read "--" ("-->" would close it); in JSON only strings can hold it.
-    data = json.dumps([a.to_dict() for a in alerts]).replace("--", "-\\u002d")
-    lines += ["", f"<!-- gradwatch-alerts-json: {data} -->"]
+    lines += ["", _json_comment("alerts", [a.to_dict() for a in alerts])]
     return "\n".join(lines)
-
-
-_LAYERS_JSON = re.compile(r"<!-- gradwatch-layers-json: (.*?) -->", re.S)
 
 
 def layers_markdown(layers: list[str]) -> str:
     """The monitored layers on one line to read, and as JSON (in a comment) to parse."""
     shown = ", ".join(f"`{name}`" for name in layers)
-    data = json.dumps(layers).replace("--", "-\\u002d")
-    return f"**{len(layers)} monitored layers**, in module order: {shown}\n\n<!-- gradwatch-layers-json: {data} -->"
+    return f"**{len(layers)} monitored layers**, in module order: {shown}\n\n{_json_comment('layers', layers)}"
 
 
 def parse_layers_markdown(text: str) -> list[str]:
     """The layers written by :func:`layers_markdown` (or, for older logs, one per paragraph)."""
-    match = _LAYERS_JSON.search(text)
-    if match:
-        return list(json.loads(match.group(1)))
+    found = _json_comments("layers", text)
+    if found:
+        return list(found[0])
     return [name for name in text.split("\n\n") if name]
 
 
 def parse_alerts_markdown(text: str) -> list[dict[str, Any]]:
     """The alerts written by :func:`alerts_markdown` (none for any other text)."""
-    found: list[dict[str, Any]] = []
-    for match in _ALERTS_JSON.finditer(text):
-        found.extend(json.loads(match.group(1)))
-    return found
+    return [alert for alerts in _json_comments("alerts", text) for alert in alerts]
 
 
 #: The first chart: gradient magnitude on a log scale, where a vanishing layer stands out
@@ -147,7 +148,7 @@ class TensorBoardSink:
         cost = self._heatmap_cost
         due = cost is None or cost <= self.heatmap_budget * (now - self._last_heatmap)
         # A window that raised an alert is always drawn, whatever the budget: it is the one that matters.
-        if self.heatmap and w.steps and (final or alerts or due):
+        if self.heatmap and (final or alerts or due):
             first = self._heatmap is None
             self._add_heatmap(w, [a.step for a in alerts])
             self._last_heatmap = time.monotonic()
