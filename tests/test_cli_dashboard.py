@@ -5,16 +5,16 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 
 from gradwatch.cli import main
 from gradwatch.demo import run_demo
+
+from .tensorboard_server import TensorBoardServer, get_json
 
 DEMO_STEPS = 60
 
@@ -97,50 +97,6 @@ def test_console_script_and_module_entry_point(tmp_path):
         assert subprocess.run([script, "report", str(tmp_path)], capture_output=True).returncode == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get_json(url: str):
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return json.loads(response.read().decode())
-
-
-class TensorBoardServer:
-    """A real `tensorboard` server on 127.0.0.1 with its default settings (as users run it)."""
-
-    def __init__(self, logdir: str) -> None:
-        self.port = _free_port()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "tensorboard.main", "--logdir", logdir, "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        self.base = f"http://127.0.0.1:{self.port}/data/plugin"
-
-    def get(self, path: str):
-        return _get_json(f"{self.base}/{path}")
-
-    def wait_for(self, plugin: str, tag: str, timeout: float = 90) -> dict:
-        """The plugin's tags once ``tag`` is loaded (default reload: every 5 s)."""
-        deadline = time.monotonic() + timeout
-        tags: dict = {}
-        while time.monotonic() < deadline:
-            try:
-                tags = self.get(f"{plugin}/tags")
-                if any(tag in run_tags for run_tags in tags.values()):
-                    return tags
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"{tag} not served by {plugin} within {timeout}s: {tags}")
-
-    def close(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=30)
-
-
 def test_tensorboard_server_serves_scalars_layout_and_images(demo_runs):
     logdir = demo_runs["dead"][0]
     server = TensorBoardServer(logdir)
@@ -152,24 +108,24 @@ def test_tensorboard_server_serves_scalars_layout_and_images(demo_runs):
                          "gradwatch/global/grad_norm", "gradwatch/global/alerts"):  # fmt: skip
             assert expected in tags
         run = next(r for r, t in scalar_tags.items() if "gradwatch/grad_norm/0" in t)
-        series = _get_json(f"{base}/scalars/scalars?run={urllib.request.quote(run)}&tag=gradwatch/grad_norm/0")
+        series = get_json(f"{base}/scalars/scalars?run={urllib.request.quote(run)}&tag=gradwatch/grad_norm/0")
         assert [point[1] for point in series] == list(range(DEMO_STEPS))
 
-        layout = _get_json(f"{base}/custom_scalars/layout")
+        layout = get_json(f"{base}/custom_scalars/layout")
         charts = {c["title"]: c for cat in layout["category"] for c in cat["chart"]}
         assert "grad_norm" in charts and "dead_fraction" in charts and "alerts" in charts
         assert charts["grad_norm"]["multiline"]["tag"] == ["^gradwatch/grad_norm/.*"]
 
-        images = _get_json(f"{base}/images/tags")
+        images = get_json(f"{base}/images/tags")
         image_run = next(r for r, t in images.items() if "gradwatch/gradient_flow" in t)
-        entries = _get_json(f"{base}/images/images?run={urllib.request.quote(image_run)}&tag=gradwatch/gradient_flow")
+        entries = get_json(f"{base}/images/images?run={urllib.request.quote(image_run)}&tag=gradwatch/gradient_flow")
         assert entries
         with urllib.request.urlopen(f"{base}/images/individualImage?{entries[-1]['query']}", timeout=10) as r:
             assert r.read(8) == b"\x89PNG\r\n\x1a\n"
-        texts = _get_json(f"{base}/text/tags")
+        texts = get_json(f"{base}/text/tags")
         assert any(any(t.startswith("gradwatch/alerts") for t in tags) for tags in texts.values())
         assert "gradwatch/log10_grad_rms/0" in tags  # the log-scale magnitude series, the dead layer too
-        floor = _get_json(f"{base}/scalars/scalars?run={urllib.request.quote(run)}&tag=gradwatch/log10_grad_rms/0")
+        floor = get_json(f"{base}/scalars/scalars?run={urllib.request.quote(run)}&tag=gradwatch/log10_grad_rms/0")
         assert {point[2] for point in floor} == {-30.0}  # a zero gradient drawn at the floor
         first = layout["category"][0]["chart"][0]
         assert "log10" in first["title"] and first["multiline"]["tag"] == ["^gradwatch/log10_grad_rms/.*"]

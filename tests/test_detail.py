@@ -13,26 +13,12 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.harness import OpCounter
 from gradwatch import GradMonitor
 
 from .conftest import read_scalars
 from .reference import RetainedOutputs
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-        self.ops: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _mlp():

@@ -15,8 +15,6 @@ from torch import nn
 from gradwatch import GradMonitor, HealthConfig
 from gradwatch.param_stats import CpuBlasStats, ForeachStats, StepRows, _CpuSlots
 
-from .conftest import read_scalars
-
 
 # ------------------------------------------------------------- declared layout
 def test_layout_is_declared_at_attach_from_module_metadata():
