@@ -1,71 +1,58 @@
-"""Module hooks that see each layer's output and its gradient.
+"""Module hooks: each layer's ``OutputTap`` (capture.py) registered as its forward hook.
 
-Design: a forward hook registers a *tensor* hook on the layer's output instead
-of using ``register_full_backward_hook``. Full backward hooks wrap the output
-in ``BackwardHookFunction``; an in-place op after the module (``ReLU(inplace=True)``,
-``out += identity``) then fails with "Output 0 of BackwardHookFunctionBackward
-is a view and is being modified inplace" (pytorch#61519), and outputs that are
-dicts are silently skipped. A tensor hook registered before an in-place op
-receives the gradient of the pre-in-place value, works for any output
-structure, and costs one Python call per module call.
-
-The hooks do as little Python as possible: the forward hook folds a
-non-finite flag of the output into a 0-d accumulator and registers the
-tensor hook; the tensor hook computes the per-unit L2 norm of the output
-gradient (one pass over the gradient) and appends it to a list that
-``Recorder.fold`` reduces with a handful of fused ops at step time.
+Design: the tap registers a *tensor* hook on the layer's output instead of using
+``register_full_backward_hook``. Full backward hooks wrap the output in
+``BackwardHookFunction``; an in-place op after the module (``ReLU(inplace=True)``,
+``out += identity``) then fails with "Output 0 of BackwardHookFunctionBackward is a
+view and is being modified inplace" (pytorch#61519), and outputs that are dicts are
+silently skipped. A tensor hook registered before an in-place op receives the gradient
+of the pre-in-place value, works for any output structure, costs one Python call per
+module call, and dynamo traces it into compiled code (capture.py says what that takes).
 """
 
 from __future__ import annotations
 
-import logging
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .layers import LayerSpec, grad_tensors
+from . import compiled
+from .layers import LayerSpec
 
 if TYPE_CHECKING:
-    from .recorder import Recorder
-
-log = logging.getLogger("gradwatch")
+    from .capture import OutputTap
 
 
 class HookSet:
     """The forward hooks gradwatch registered; ``remove()`` takes every one of them off."""
 
-    def __init__(self, layers: list[LayerSpec], recorder: "Recorder") -> None:
+    def __init__(self, model: nn.Module, layers: list[LayerSpec], taps: list["OutputTap"]) -> None:
         self._handles: list[RemovableHandle] = []
-        also = output_aliases(layers)
-        for index, layer in enumerate(layers):
-            hook = _make_forward_hook(index, layer, recorder, also.get(index, ()))
-            self._handles.append(layer.module.register_forward_hook(hook))
+        for index, targets in output_aliases(layers).items():
+            taps[index].also = tuple(taps[t] for t in targets)
+        compiled.guard_on_hooks()
+        self._guarding = True
+        for layer, tap in zip(layers, taps):
+            self._handles.append(layer.module.register_forward_hook(tap))
+        # Code compiled before now does not run the hooks: trace it again.
+        self._model: weakref.ref | None = weakref.ref(model)
+        self.recompiled = compiled.forget_compiled_frames(model)
 
     def remove(self) -> None:
-        """Remove every hook; idempotent."""
+        """Remove every hook (and the compiled code that ran them); idempotent."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
-
-def _is_compiling() -> bool:
-    # Looked up at each call on purpose: with a module-level alias of
-    # torch.compiler.is_compiling, torch 2.13's compile ran the hook eagerly instead
-    # (test_torch_compile_runs_with_right_parameter_statistics caught it).
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and getattr(compiler, "is_compiling", lambda: False)())
-
-
-def _warn_compile_once(recorder: "Recorder") -> None:
-    if not recorder.warned_compile:
-        recorder.warned_compile = True
-        log.warning(
-            "gradwatch: inside torch.compile'd code the output-gradient statistics "
-            "(out_grad_norm, dead_fraction) and the forward non-finite check are not recorded; "
-            "parameter-gradient statistics are. Attach gradwatch and run eagerly for the full set."
-        )
+        model = self._model() if self._model is not None else None
+        self._model = None
+        if model is not None:
+            compiled.forget_compiled_frames(model)
+        if self._guarding:
+            self._guarding = False
+            compiled.release_hook_guards()
 
 
 def output_aliases(layers: list[LayerSpec]) -> dict[int, tuple[int, ...]]:
@@ -84,33 +71,3 @@ def output_aliases(layers: list[LayerSpec]) -> dict[int, tuple[int, ...]]:
                 aliases[i] = (target,)
     return aliases
 
-
-def _make_forward_hook(index: int, layer: LayerSpec, recorder: "Recorder", also: tuple[int, ...] = ()) -> Callable:
-    grad_enabled = torch.is_grad_enabled
-    tensor_type = torch.Tensor
-    on_forward = recorder.on_forward
-    # copy.deepcopy(model) copies the hook dicts too: the copy must not record into this monitor.
-    owner = weakref.ref(layer.module)
-
-    def forward_hook(module: torch.nn.Module, args: object, output: object) -> None:
-        if not grad_enabled() or not recorder.active or module is not owner():
-            return
-        try:
-            if _is_compiling():
-                _warn_compile_once(recorder)
-                return
-            if type(output) is tensor_type:
-                if output.is_floating_point():
-                    on_forward(index, output)
-                return
-            tensors = grad_tensors(output)
-            if tensors:
-                on_forward(index, tensors[0])
-                for alias in also:  # the same output belongs to another layer too (MHA's out_proj)
-                    on_forward(alias, tensors[0])
-                for extra in tensors[1:]:  # e.g. an RNN's h_n: same units, also an output
-                    on_forward(index, extra, extra=True)
-        except Exception as exc:  # a monitor must never break training
-            recorder.hook_failed(layer.name, exc)
-
-    return forward_hook

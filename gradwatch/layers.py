@@ -9,6 +9,8 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
+from . import compiled
+
 ROOT_NAME = "<root>"
 
 # Modules whose output features live in dim 1 (N, C, ...): convolutions and
@@ -64,7 +66,8 @@ def discover_layers(
 ) -> list[LayerSpec]:
     """Return the layers of ``model`` to monitor, in module order.
 
-    A layer is a module with trainable parameters of its own; a parameter shared
+    ``model`` may be compiled (``torch.compile(model)``): names are those of the model the
+    user wrote. A layer is a module with trainable parameters of its own; a parameter shared
     by several modules belongs to the first one. ``include``/``exclude`` are
     ``fnmatch`` patterns on qualified module names; a pattern that selects no
     layer raises ``ValueError``.
@@ -74,12 +77,14 @@ def discover_layers(
             f"gradwatch monitors a torch.nn.Module, got {type(model).__name__}; "
             "pass the model itself (for Lightning, use the GradWatch callback)"
         )
+    model = compiled.unwrap(model)  # torch.compile(model): the user's model and names
     include_p = _as_patterns(include, "include")
     exclude_p = _as_patterns(exclude, "exclude")
 
     seen: set[int] = set()
     candidates: list[LayerSpec] = []
     for name, module in model.named_modules():
+        name = compiled.user_name(name)  # a block compiled in place: no "_orig_mod" in its names
         own = []
         for p in module.parameters(recurse=False):
             if p.requires_grad and id(p) not in seen:

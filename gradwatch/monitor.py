@@ -12,6 +12,7 @@ from torch import nn
 from .alerts import Alert, AlertTracker, GradientHealthError
 from .config import HealthConfig
 from .detectors import Assessment, HealthChecks, normalises_step
+from .compiled import unwrap
 from .hooks import HookSet
 from .layers import discover_layers
 from .recorder import Recorder
@@ -69,6 +70,7 @@ class GradMonitor:
         self.detail = detail
         self.histograms = bool(histograms)
         self._scaler = scaler
+        model = unwrap(model)  # torch.compile(model): hooks and names on the model the user wrote
         self._layer_specs = discover_layers(model, include, exclude)
         self._names = [layer.name for layer in self._layer_specs]
         device = self._layer_specs[0].params[0].device
@@ -135,10 +137,11 @@ class GradMonitor:
         if metrics_callback is not None:
             self.add_metrics_callback(metrics_callback)
         self._window_steps: list[int] = []
+        self._warned_hooks = False
         self._next_step = 0
         self._closed = False
         self.last_window: Window | None = None  # the most recent flushed window
-        self._hooks = HookSet(self._layer_specs, self._recorder)
+        self._hooks = HookSet(model, self._layer_specs, self._recorder.cells.taps)
 
     # ------------------------------------------------------------ properties
     @property
@@ -153,8 +156,8 @@ class GradMonitor:
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of statistics gradwatch holds on the training device."""
-        return self._recorder.buffer.nbytes
+        """Bytes of statistics gradwatch holds on the training device (buffer, step cells, weights)."""
+        return self._recorder.nbytes
 
     @property
     def sync_dist(self) -> bool:
@@ -261,6 +264,7 @@ class GradMonitor:
                 self._guarded(f"sending metrics to {describe(callback)}", lambda: _send(callback, metrics), None)
         if window.steps:  # not a window of update measurements alone
             self.last_window = window
+            self._check_hooks_ran(window)
         stopping = [a for a in new if a.kind in self.config.stop_on]
         if stopping:
             raise GradientHealthError(stopping)
@@ -299,6 +303,23 @@ class GradMonitor:
             return None
         self._failures.succeeded("preparing a flush")
         return window
+
+    def _check_hooks_ran(self, window: Window) -> None:
+        """Warn once when the layers had gradients but gradwatch's forward hooks never ran: code
+        compiled before the monitor attached that gradwatch could not find (a compiled function
+        around the model), which runs without its hooks."""
+        if self._warned_hooks or not self._recorder.active:
+            return
+        ran = any(order for order, _ in window.step_orders)
+        if window.has_grad.any() and not ran:
+            self._warned_hooks = True
+            log.warning(
+                "gradwatch: the model's layers had gradients but gradwatch's forward hooks did not run in the "
+                "steps %d-%d, so out_grad_norm, dead units and the forward non-finite check are missing. Code "
+                "compiled before the monitor attached runs without its hooks: create the monitor before "
+                "compiling (or before the first compiled call), or call torch.compiler.reset() after creating it",
+                window.steps[0], window.steps[-1],
+            )  # fmt: skip
 
     def _guarded(self, stage: str, action: Callable[[], Any], default: Any) -> Any:
         try:
@@ -465,10 +486,10 @@ def _dist_rank() -> int:
 
 
 # Per step: three float64 device statistics per parameter tensor (param_sq, param_max,
-# param_nonfinite) and one host count (param_present, copied into the buffer at flush); two per
-# layer (out_sq, fwd_sum) and one host count (out_calls).
+# param_nonfinite) and one host count (param_present, copied into the buffer at flush); five per
+# layer (out_grad's sum of squares, calls and samples, fwd_sum, fwd_order).
 _BYTES_PER_STEP_AND_TENSOR = 3 * 8 + 8
-_BYTES_PER_STEP_AND_LAYER = 2 * 8 + 8
+_BYTES_PER_STEP_AND_LAYER = 5 * 8
 _MAX_WINDOW_BYTES = 1 << 30
 
 

@@ -18,8 +18,8 @@ Results are per *tensor*, written into the step's row of the per-tensor states
 layer at flush. Columns are ordered by group, so that each group writes one
 contiguous slice with ``torch.stack(..., out=)``.
 
-CPU results are host memory: both strategies compute them in float32 into
-slots and then ``_fix_cpu_results`` reads the sums of squares on the host (a
+CPU results are host memory: on the CPU both strategies compute them in float32
+into slots and then ``_CpuSlots.fix`` reads the sums of squares on the host (a
 plain memory read, no device sync). A sum that is not finite means non-finite
 elements (counted exactly, by a pass that runs only then) or a float32 overflow
 of a finite gradient (|g| >~ 1e19: its sum of squares is recomputed in
@@ -46,6 +46,12 @@ _is_none = functools.partial(operator.is_, None)
 # CPU float32 tensors at least this large go to CpuBlasStats; smaller ones (biases,
 # norms) to one foreach call per group, which saves a Python dispatch per tensor.
 CPU_LARGE = 1 << 15
+
+#: The CPU's own path (float32 results in host-shared slots, checked on the host, and
+#: CpuBlasStats for large tensors). False: CPU tensors take the device-agnostic path that
+#: accelerators take (float64 foreach norms, counts on sampled steps), which is how the
+#: test suite runs that path on every commit without a GPU. Read when a monitor attaches.
+CPU_FAST_PATH = True
 
 # Temporaries of the non-finite count are bounded to this many elements at a time.
 _COUNT_CHUNK = 1 << 24
@@ -229,10 +235,14 @@ class ParamStats:
         self.world_size = max(int(world_size), 1)
         self.sharded = any(is_dtensor(p) for p in params)
         self.device = device
+        self.cpu_fast = CPU_FAST_PATH
+        #: Non-finite elements are counted at every step (the CPU path's host check), not only on
+        #: sampled steps.
+        self.counts_every_step = self.cpu_fast and all(p.device.type == "cpu" for p in params)
         self._foreach = ForeachStats(torch.float32 if device.type == "mps" else torch.float64)
         self._blas = CpuBlasStats()
         # Columns ordered by group (device, dtype, strategy): each group a contiguous slice.
-        keys = [None if id(p) in sparse_capable else _group_key(p) for p in params]
+        keys = [None if id(p) in sparse_capable else _group_key(p, self.cpu_fast) for p in params]
         order = sorted(range(len(params)), key=lambda j: (keys[j] is None, str(keys[j]), j))
         self.params = [params[j] for j in order]
         self.param_layer = np.array([owner[j] for j in order], dtype=np.int64)
@@ -290,13 +300,13 @@ class ParamStats:
                 present[column] = 1
                 if g.numel() == 0:
                     continue
-                self._reduce(_group_key(g, dense=True), [g], rows.part(slice(column, column + 1)))
+                self._reduce(_group_key(g, self.cpu_fast, dense=True), [g], rows.part(slice(column, column + 1)))
         if self.sharded:
             self._apply_weights(rows, weights)
 
     def _reduce(self, key: tuple, grads: list[torch.Tensor], rows: StepRows) -> None:
         device, _, large = key
-        on_cpu = device.type == "cpu"
+        on_cpu = device.type == "cpu" and self.cpu_fast
         slots = self._slots if on_cpu else None
         if on_cpu and len(grads) > len(self._slots.slots):
             self._slots = slots = _CpuSlots(len(grads))
@@ -341,11 +351,11 @@ def _contiguous_groups(keys: list) -> list[tuple[tuple | None, slice]]:
     return groups
 
 
-def _group_key(p: torch.Tensor, dense: bool = False) -> tuple | None:
+def _group_key(p: torch.Tensor, cpu_fast: bool, dense: bool = False) -> tuple | None:
     """(device, dtype, large CPU float32) of a dense local tensor; None for DTensors (reduced one by one)."""
     if not dense and is_dtensor(p):
         return None
-    large = p.device.type == "cpu" and p.dtype == torch.float32 and p.numel() >= CPU_LARGE
+    large = cpu_fast and p.device.type == "cpu" and p.dtype == torch.float32 and p.numel() >= CPU_LARGE
     return (p.device, p.dtype, large)
 
 

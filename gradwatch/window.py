@@ -22,7 +22,8 @@ class Window:
     grad_max: np.ndarray
     nonfinite: np.ndarray
     out_grad_norm: np.ndarray
-    fwd_nonfinite: np.ndarray  # bool [step, layer]: some output of the layer was NaN/Inf
+    #: bool [step, layer]: an output of the layer was NaN/Inf at this step, for the first time in the window
+    fwd_nonfinite: np.ndarray
     has_grad: np.ndarray  # bool [step, layer]: the layer's parameters got a gradient
     out_seen: np.ndarray  # bool [step, layer]: an output gradient reached the layer
     unit_counts: np.ndarray  # [layer] number of units (0 until the layer ran)

@@ -170,11 +170,8 @@ def test_failing_hook_warns_once_and_training_goes_on(caplog, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("forced failure")
 
-    monkeypatch.setattr(monitor._recorder, "on_forward", broken)
-    monitor._hooks.remove()  # re-register so the hooks pick up the broken method
-    from gradwatch.hooks import HookSet
-
-    monitor._hooks = HookSet(monitor._layer_specs, monitor._recorder)
+    for tap in monitor._recorder.cells.taps:  # what runs inside the forward hook of each layer
+        monkeypatch.setattr(tap, "record_output", broken)
     with caplog.at_level(logging.WARNING, logger="gradwatch"):
         for _ in range(4):
             model(torch.randn(2, 3)).sum().backward()

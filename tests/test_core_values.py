@@ -13,6 +13,9 @@ from gradwatch import GradMonitor
 from .conftest import TwoBranch, read_scalars
 from .reference import RetainedOutputs
 
+# Every test here runs on both parameter-statistics paths (see conftest.param_path).
+pytestmark = pytest.mark.usefixtures("param_path")
+
 
 def _expected_param_stats(model: nn.Module, layers: dict[str, nn.Module]) -> dict[str, dict[str, float]]:
     out = {}
@@ -218,8 +221,8 @@ def test_nothing_recorded_under_no_grad_or_inference():
     with torch.inference_mode():
         model(torch.randn(2, 4))
     assert not out.requires_grad
-    rec = monitor._recorder
-    assert rec.forward_order == [] and rec._pending_layer == [] and rec._fwd_sums == []
+    cells = monitor._recorder.cells.devices[0]
+    assert not cells.forward.any() and not cells.backward.any()  # the taps wrote nothing
     monitor.close()
 
 
@@ -265,10 +268,11 @@ def test_buffer_memory_does_not_grow():
         model.zero_grad()
         sizes.append(monitor.buffer_bytes)
     assert len(set(sizes)) == 1
-    # float64, declared at attach: per step 4 values per parameter tensor (4 tensors) and
-    # 3 per layer (2 layers) and 1 failure mark, over 3 steps; per window 9 units and
-    # 2 evidence counts (rows, steps) per layer.
-    assert sizes[0] == 8 * (3 * (4 * 4 + 3 * 2 + 1) + 9 + 2 * 2)
+    # float64, declared at attach: per step 4 values per parameter tensor (4 tensors), 5 per
+    # layer (2 layers) and 1 failure mark, over 3 steps; per window 9 units. The step's cells:
+    # 2 forward and 3 backward values per layer, the units, the clock; and the float32
+    # projection weights (16384).
+    assert sizes[0] == 8 * (3 * (4 * 4 + 5 * 2 + 1) + 9) + 8 * (5 * 2 + 9 + 1) + 4 * 16384
     monitor.close()
 
 

@@ -15,6 +15,9 @@ from torch import nn
 from gradwatch import GradMonitor, HealthConfig
 from gradwatch.param_stats import CpuBlasStats, ForeachStats, StepRows, _CpuSlots
 
+# Every test here runs on both parameter-statistics paths (see conftest.param_path).
+pytestmark = pytest.mark.usefixtures("param_path")
+
 
 # ------------------------------------------------------------- declared layout
 def test_layout_is_declared_at_attach_from_module_metadata():
@@ -23,7 +26,7 @@ def test_layout_is_declared_at_attach_from_module_metadata():
         nn.Embedding(10, 6), nn.LSTM(6, 4, bidirectional=True),
     )  # fmt: skip
     monitor = GradMonitor(model, flush_every=4)
-    units = dict(zip(monitor.layers, monitor._recorder.unit_count.tolist()))
+    units = dict(zip(monitor.layers, monitor._recorder.layout.unit_count.tolist()))
     assert units == {"0": 5, "1": 5, "3": 7, "4": 7, "5": 6, "6": 8}
     before = monitor._recorder.buffer.layout()
     nbytes = monitor.buffer_bytes
@@ -280,9 +283,11 @@ def test_each_parameter_strategy_fills_every_statistic_of_its_tensors(strategy):
         assert rows.max[i].item() == pytest.approx(mx[i], rel=1e-6), i
 
 
-def test_strategies_are_named_per_tensor():
+def test_strategies_are_named_per_tensor(param_path):
     model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 2))
     stats = GradMonitor(model)._recorder.param_stats
     kinds = {stats.params[j].shape: stats.strategy_of(j) for j in range(stats.n_params)}
-    assert kinds[torch.Size([256, 256])] == "cpu-blas"
+    # the device-agnostic path reduces every tensor with foreach kernels, as on an accelerator
+    assert kinds[torch.Size([256, 256])] == ("cpu-blas" if param_path == "cpu-path" else "foreach")
     assert kinds[torch.Size([2, 256])] == kinds[torch.Size([256])] == "foreach"
+    assert stats.counts_every_step == (param_path == "cpu-path")

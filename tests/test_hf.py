@@ -44,7 +44,24 @@ class _RawNorms(transformers.TrainerCallback):
         }  # fmt: skip
 
 
-def _train(tmp_path, callbacks, max_grad_norm, accumulation=1, steps=6, report_to=()):
+class _RawOutNorms(transformers.TrainerCallback):
+    """Per-layer out_grad_norm from gradients retained by this callback's own forward hooks."""
+
+    def __init__(self) -> None:
+        self.norms: dict[int, dict[str, float]] = {}
+        self.retained = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from .reference import RetainedOutputs
+
+        self.retained = RetainedOutputs(model, list(LAYERS))
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.norms[state.global_step + 1] = {name: self.retained.norm(name) for name in LAYERS}
+        self.retained.clear()
+
+
+def _train(tmp_path, callbacks, max_grad_norm, accumulation=1, steps=6, report_to=(), **extra):
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
                                      bos_token_id=0, eos_token_id=0)  # fmt: skip
@@ -53,6 +70,7 @@ def _train(tmp_path, callbacks, max_grad_norm, accumulation=1, steps=6, report_t
         output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=2, learning_rate=0.0,
         max_grad_norm=max_grad_norm, gradient_accumulation_steps=accumulation, logging_steps=1,
         report_to=list(report_to), use_cpu=True, save_strategy="no", seed=0, data_seed=0, disable_tqdm=True,
+        **extra,
     )  # fmt: skip
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=callbacks)
     trainer.train()
@@ -77,6 +95,24 @@ def test_statistics_are_of_the_gradients_before_clipping_at_the_trainers_steps(t
         assert scalars["gradwatch/global/grad_norm"][step] == pytest.approx(value, rel=1e-4)
     assert all(not m._forward_hooks for m in model.modules())  # hooks removed when training ends
     assert "clip_grad_norm_" not in trainer.accelerator.__dict__  # and the wrapper too
+
+
+def test_torch_compile_records_every_statistic(tmp_path):
+    import torch._dynamo
+
+    reference = _RawOutNorms()
+    _train(tmp_path / "eager", [reference], max_grad_norm=1.0, steps=4)
+    torch._dynamo.reset()
+    watch = GradWatchCallback(flush_every=2, detail="full")
+    _train(tmp_path / "compiled", [watch], max_grad_norm=1.0, steps=4, torch_compile=True,
+           torch_compile_backend="aot_eager")  # fmt: skip
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the Trainer ran compiled code
+    scalars = read_scalars(str(tmp_path / "compiled" / "gradwatch"))
+    for step, layers in reference.norms.items():
+        for name, value in layers.items():
+            assert scalars[f"gradwatch/out_grad_norm/{name}"][step] == pytest.approx(value, rel=1e-4), (name, step)
+    assert sorted(scalars["gradwatch/dead_fraction/transformer.h.0.attn.c_attn"]) == [2, 4]
+    torch._dynamo.reset()
 
 
 def test_gradient_accumulation_gives_one_record_per_optimizer_step(tmp_path):

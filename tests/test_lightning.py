@@ -272,3 +272,29 @@ def test_update_ratio_through_the_trainers_optimizer(tmp_path):
     assert sorted(written) == [0, 1, 5, 6]  # two consecutive steps at the start of each window
     for step, value in written.items():
         assert value == pytest.approx(reference.ratios[step], rel=1e-3)
+
+
+class _NoScaler:
+    def get_scale(self):
+        return 1.0
+
+
+def test_fit_of_a_compiled_module_records_every_statistic(tmp_path):
+    # trainer.fit(torch.compile(module)): Lightning compiles the module's forward and steps; the
+    # reference is an uncompiled fit of the same module (lr=0: the same gradients at every step).
+    reference = _Reference(_NoScaler())
+    torch.manual_seed(0)
+    _trainer(tmp_path / "eager", [reference], max_steps=6, limit_val_batches=0, logger=False).fit(Regressor(lr=0.0))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    compiled = torch.compile(Regressor(lr=0.0), backend="aot_eager")
+    trainer = _trainer(tmp_path, [GradWatch(flush_every=3, detail="full")], max_steps=6, limit_val_batches=0)
+    trainer.fit(compiled)
+    scalars = read_scalars(str(tmp_path / "run"))
+    for step, layers in reference.expected.items():
+        for name, (grad_norm, out_norm) in layers.items():
+            assert scalars[f"gradwatch/grad_norm/{name}"][step] == pytest.approx(grad_norm, rel=1e-4)
+            assert scalars[f"gradwatch/out_grad_norm/{name}"][step] == pytest.approx(out_norm, rel=1e-4)
+    assert sorted(scalars["gradwatch/dead_fraction/net.0"]) == [2, 5]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # it really ran compiled code
+    torch._dynamo.reset()

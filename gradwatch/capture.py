@@ -1,0 +1,326 @@
+"""What runs inside the model's forward and backward: traceable taps into per-step accumulators.
+
+Every module gradwatch watches gets one ``OutputTap``, registered as its forward hook.
+The tap and the tensor hook it puts on the module's output do nothing but tensor ops
+into *cells*: small tensors declared when the monitor attaches, one per layer and
+statistic, that accumulate the current step. ``Recorder.record_step`` moves them into
+the step's row of the buffer and zeroes them. There is no logging, no host read, no
+Python container that grows, and no branch on strides in a tap, so the same code runs
+eagerly and inside ``torch.compile(fullgraph=True)`` (whole model or regional), and
+gives the same values in both.
+
+What dynamo needs, each measured on torch 2.13 (tests/test_compile.py keeps them true):
+
+- A cell is a ``.data`` alias of a slice of one flat storage per device: it shares the
+  storage, so ``record_step`` reads and zeroes every cell with one op, but not the
+  storage's version counter. A compiled region saves the cells its backward hooks
+  write; a write into a saved tensor between its forward and its backward (another
+  region's forward, an eager hook's backward) fails autograd's version check, so the
+  backward cells are per layer and the forward cells are never saved. A plain view
+  (``t[i]``, ``t.detach()``) would share the counter, and views of one base also fail
+  fake-tensor conversion.
+- Cells have shape ``(1,)``: a captured 0-d tensor mutated in compiled code loses the write.
+- Per-layer facts a tap reads are tensors or values equal across layers of the same
+  shape: an int constant that differs per layer (an offset, an index) makes every
+  block of a regionally compiled model a new graph, and ``fullgraph=True`` then fails
+  at the recompile limit.
+- The sampling flag (``Plan.sampling``) is a Python bool read in the tap: dynamo guards
+  on it, so the default's sampled and unsampled steps cost two graph variants, no more.
+- The tensor hook returns its gradient unchanged (returning None fails under compiled autograd).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .buffer import stat_dtype
+from .layers import LayerSpec, grad_tensors
+
+#: Projection weights are drawn once for up to this many rows (64 KiB); longer gradients
+#: generate theirs (four more ops, on sampled steps only).
+_PROJECTION_ROWS = 1 << 14
+#: The forward clock starts here and counts down: a layer's first call keeps the largest value.
+CLOCK_START = float(1 << 24)
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
+_set_grad_enabled = torch._C._set_grad_enabled  # traceable, and cheaper than detach() per call
+
+
+class Plan:
+    """What the taps should do at the current step; one object shared by every tap.
+
+    ``sampling``: record every statistic (output gradients, dead-unit evidence, the
+    forward order), not only the forward check. ``active``: False while paused.
+    """
+
+    def __init__(self) -> None:
+        self.sampling = True
+        self.active = True
+        #: Some tap failed since the last step (its ``failure`` says how); reported at step(), not in the hook.
+        self.failed = False
+
+
+def _alias(storage: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Cells ``storage[start:stop]`` as a tensor of its own version counter (see the module docstring)."""
+    return storage.data[start:stop].data
+
+
+@dataclass
+class DeviceCells:
+    """The flat accumulators of the layers on one device, and where each layer's cells are."""
+
+    device: torch.device
+    layers: np.ndarray  # global layer indices held here, in order
+    #: [running sum of the outputs over the window (n) | first-call clock value of the step (n)]
+    forward: torch.Tensor
+    backward: torch.Tensor  # [sum of squares (n) | calls (n) | samples (n) | per-unit evidence (units)]
+    clock: torch.Tensor  # [1], counts down at each sampled forward call
+    weights: torch.Tensor  # [_PROJECTION_ROWS] positive projection weights in [1, 2)
+
+    @property
+    def n(self) -> int:
+        return len(self.layers)
+
+    def reset_step(self, sampled: bool) -> None:
+        """Zero what a step accumulates: the backward cells and the forward clock (written on
+        sampled steps only). The forward sums run on over the window (see ``reset_window``)."""
+        if sampled:
+            self.backward.zero_()
+            self.forward[self.n :].zero_()
+            self.clock.fill_(CLOCK_START)
+
+    def reset_window(self) -> None:
+        """Zero every cell (a new window, or calls no step() will claim)."""
+        self.forward.zero_()
+        self.backward.zero_()
+        self.clock.fill_(CLOCK_START)
+
+
+class Cells:
+    """Every layer's accumulators, grouped by the device its parameters are on."""
+
+    def __init__(self, layers: list[LayerSpec], unit_count: np.ndarray) -> None:
+        self.n_layers = len(layers)
+        self.unit_count = unit_count
+        by_device: dict[torch.device, list[int]] = {}
+        for i, layer in enumerate(layers):
+            by_device.setdefault(layer.params[0].device, []).append(i)
+        self.devices: list[DeviceCells] = []
+        self.taps: list[OutputTap] = []
+        self.plan = Plan()
+        per_layer: dict[int, tuple[DeviceCells, int, int]] = {}
+        for device, members in by_device.items():
+            n = len(members)
+            units = [int(unit_count[i]) for i in members]
+            dtype = stat_dtype(device)
+            generator = torch.Generator().manual_seed(20261129)
+            cells = DeviceCells(
+                device=device,
+                layers=np.array(members, dtype=np.int64),
+                forward=torch.zeros(2 * n, dtype=dtype, device=device),
+                backward=torch.zeros(3 * n + sum(units), dtype=dtype, device=device),
+                clock=torch.full((1,), CLOCK_START, dtype=dtype, device=device),
+                weights=torch.rand(_PROJECTION_ROWS, generator=generator).add_(1.0).to(device),
+            )
+            self.devices.append(cells)
+            offset = 3 * n
+            for k, i in enumerate(members):
+                per_layer[i] = (cells, k, offset)
+                offset += units[k]
+        for i, layer in enumerate(layers):
+            cells, k, offset = per_layer[i]
+            n = cells.n
+            self.taps.append(
+                OutputTap(
+                    layer,
+                    self.plan,
+                    forward_sum=_alias(cells.forward, k, k + 1),
+                    first_call=_alias(cells.forward, n + k, n + k + 1),
+                    clock=cells.clock,
+                    out_sq=_alias(cells.backward, k, k + 1),
+                    calls=_alias(cells.backward, n + k, n + k + 1),
+                    samples=_alias(cells.backward, 2 * n + k, 2 * n + k + 1),
+                    units=_alias(cells.backward, offset, offset + int(unit_count[i])),
+                    weights=cells.weights,
+                )
+            )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cells and projection weights on the devices."""
+        return sum(
+            t.numel() * t.element_size()
+            for cells in self.devices
+            for t in (cells.forward, cells.backward, cells.clock, cells.weights)
+        )
+
+    def set_unit_sums(self, enabled: bool) -> None:
+        """Per-unit sums of squares (for dead_eps > 0) instead of the random projection."""
+        for tap in self.taps:
+            tap.unit_sums = enabled
+
+
+class OutputTap:
+    """Forward hook of one layer: the forward non-finite check at every step, and on sampled
+    steps the forward order and a tensor hook on the output for its gradient's statistics.
+
+    Callable as ``hook(module, args, output)``; every attribute it reads is a tensor cell or a
+    value that is the same for every layer of the same shape (see the module docstring).
+    """
+
+    def __init__(self, layer: LayerSpec, plan: Plan, *, forward_sum: torch.Tensor, first_call: torch.Tensor,
+                 clock: torch.Tensor, out_sq: torch.Tensor, calls: torch.Tensor, samples: torch.Tensor,
+                 units: torch.Tensor, weights: torch.Tensor) -> None:  # fmt: skip
+        self.plan = plan
+        self.name = layer.name  # read on the failure path only
+        self.layer_units = int(layer.units)
+        self.channel_first = bool(layer.channel_first)
+        self.forward_sum = forward_sum
+        self.first_call = first_call
+        self.clock = clock
+        self.out_sq = out_sq
+        self.calls = calls
+        self.samples = samples
+        self.units = units
+        self.weights = weights
+        # Taps that record the same output too (MultiheadAttention's out_proj): set by HookSet.
+        self.also: tuple["OutputTap", ...] = ()
+        # Per-unit evidence as sums of squares (dead_eps > 0) instead of a random projection.
+        self.unit_sums = False
+        self.failure: BaseException | None = None  # the latest failure inside this tap, until step()
+
+    # ----------------------------------------------------------------- forward
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled() or not self.plan.active:
+            return
+        try:
+            self._record_outputs(output)
+        except Exception as exc:  # never break training; reported at step() (nothing raises when traced)
+            self.failed(exc)
+
+    def _record_outputs(self, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            if output.is_floating_point():
+                self.record_output(output)
+            return
+        tensors = grad_tensors(output)
+        if not tensors:
+            return
+        self.record_output(tensors[0])
+        for tap in self.also:
+            tap.record_output(tensors[0])
+        for extra in tensors[1:]:  # e.g. an RNN's h_n: an output with the same units, when it has them
+            if extra.ndim and self.layer_units and extra.shape[self.unit_dim(extra.ndim)] == self.layer_units:
+                self.record_output(extra)
+
+    def failed(self, exc: BaseException) -> None:
+        """Keep the failure for step() to report (the failure path only: nothing here is traced)."""
+        self.failure = exc
+        self.plan.failed = True
+
+    def record_output(self, out: torch.Tensor) -> None:
+        """Fold one output into this step's cells (and, on sampled steps, watch its gradient)."""
+        # The sum is non-finite exactly when the output holds a NaN or Inf (or overflows float32,
+        # as alarming); in float32 at least, so that half-precision sums do not overflow. Grad
+        # mode off rather than detach(): one op fewer per call, and no autograd node.
+        dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
+        sampling = self.plan.sampling
+        _set_grad_enabled(False)
+        try:
+            self.forward_sum.add_(out.sum(dtype=dtype))
+            if sampling:
+                # Forward order: the clock counts down, so a layer's first call keeps the largest value.
+                self.first_call.clamp_min_(self.clock)
+                self.clock.sub_(1.0)
+        finally:
+            _set_grad_enabled(True)  # the tap runs only with grad enabled
+        if sampling and out.requires_grad:
+            out.register_hook(self.on_output_grad)
+
+    # A copy of the model (copy.deepcopy: an EMA model, a reference twin; pickling for
+    # torch.save(model)) copies its hook dicts: the copy's modules must not record into this
+    # monitor, so they get a hook that does nothing.
+    def __deepcopy__(self, memo: dict) -> Any:
+        return inert_hook
+
+    def __copy__(self) -> Any:
+        return inert_hook
+
+    def __reduce__(self) -> tuple:
+        return (_inert, ())
+
+    def unit_dim(self, ndim: int) -> int:
+        return 1 if self.channel_first and ndim >= 2 else ndim - 1
+
+    # ---------------------------------------------------------------- backward
+    def on_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """Tensor hook on the output: sum of squares (float64), calls and dead-unit evidence."""
+        grad_mode = torch.is_grad_enabled()  # on only in a backward with create_graph=True
+        _set_grad_enabled(False)
+        try:
+            self._record_grad(grad)
+        except Exception as exc:  # as in __call__
+            self.failed(exc)
+        finally:
+            _set_grad_enabled(grad_mode)
+        return grad
+
+    def _record_grad(self, g: torch.Tensor) -> None:
+        norm = torch.linalg.vector_norm(g, dtype=self.out_sq.dtype)  # exact at any magnitude
+        self.out_sq.addcmul_(norm, norm)
+        self.calls.add_(1.0)
+        ndim = g.ndim
+        if ndim == 0 or self.layer_units == 0:
+            return
+        dim = self.unit_dim(ndim)
+        if g.shape[dim] != self.layer_units:
+            return  # an output without the declared units: no dead-unit evidence
+        evidence, samples = self._unit_evidence(g, dim)
+        self.units.addcmul_(evidence, evidence)
+        self.samples.add_(float(samples))
+
+    def _unit_evidence(self, g: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
+        """(per-unit vector that is zero exactly for the units whose gradient is zero for every
+        sample, whose squares are summed over calls; number of independent samples it covers)."""
+        units = self.layer_units
+        if g.dtype not in (torch.float32, torch.float64):
+            g = g.float()  # half-precision squares overflow
+        if dim == 1 and g.ndim >= 3:
+            # (N, C, *spatial): per-channel norms over samples and positions, through per (sample,
+            # channel) norms (a reduction over contiguous positions, any layout). The samples are
+            # the N examples, not N x positions: neighbouring positions of one image are not
+            # independent evidence.
+            rows = torch.linalg.vector_norm(g, 2, dim=tuple(range(2, g.ndim)))
+            return torch.linalg.vector_norm(rows, 2, dim=0), g.shape[0]
+        if g.ndim == 1:
+            return g, 1
+        # (*, U): every leading index is a row (a sample, or a token of one).
+        rows = g.reshape(-1, units)
+        n = rows.shape[0]
+        if self.unit_sums:  # dead_eps > 0: per-unit norms, compared with dead_eps
+            return torch.linalg.vector_norm(rows, 2, dim=0), n
+        # Projection on fixed positive weights (one matrix-vector product): zero for a unit whose
+        # gradient is zero for every row, and (but for an exact cancellation against random
+        # weights) not otherwise.
+        weights = self.weights[:n] if n <= self.weights.shape[0] else _generated_weights(n, rows.device)
+        if weights.dtype != rows.dtype:
+            weights = weights.to(rows.dtype)
+        return torch.mv(rows.t(), weights), n
+
+
+def inert_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+    """What a copied or unpickled model keeps of gradwatch's forward hook: nothing."""
+    return None
+
+
+def _inert() -> Any:
+    return inert_hook
+
+
+def _generated_weights(n: int, device: torch.device) -> torch.Tensor:
+    """Deterministic weights in [1, 2) for more rows than the drawn ones cover (the golden-ratio sequence)."""
+    return torch.arange(n, dtype=torch.float32, device=device).mul_(_GOLDEN).frac_().add_(1.0)

@@ -1,0 +1,134 @@
+"""gradwatch and ``torch.compile``: the user's names, and compiled code that sees gradwatch's hooks.
+
+Two facts of dynamo (torch 2.13) shape this module:
+
+- ``torch.compile(model)`` wraps the model in an ``OptimizedModule`` whose own module tree
+  inserts ``_orig_mod``: layers are named by the model the user wrote, without it.
+- By default dynamo does not guard on module hooks (``torch._dynamo.config.
+  skip_nnmodule_hook_guards``): code compiled before gradwatch attached keeps running
+  without its hooks, and code compiled for *another* instance of the same class (an EMA
+  copy, a second model, the other blocks of a regionally compiled model) without hooks is
+  reused for the monitored one, hooks left out. While a monitor is attached gradwatch turns
+  those guards on, and it drops the frames dynamo already compiled for the model's code, so
+  that they are traced again with (or, after close(), without) its hooks: one recompile.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from typing import Any, Iterable
+
+from torch import nn
+
+log = logging.getLogger("gradwatch")
+
+_ORIG_MOD = "_orig_mod"
+_guard_users = 0  # monitors attached that need dynamo to guard on module hooks
+_saved_skip_hook_guards: bool | None = None
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module a compiled wrapper (``torch.compile(model)``) stands for; the model itself otherwise."""
+    while _is_compiled_wrapper(model):
+        model = getattr(model, _ORIG_MOD)
+    return model
+
+
+def user_name(qualified: str) -> str:
+    """A qualified module name without the ``_orig_mod`` parts that compiled wrappers add."""
+    if _ORIG_MOD not in qualified:
+        return qualified
+    return ".".join(part for part in qualified.split(".") if part != _ORIG_MOD)
+
+
+def _is_compiled_wrapper(module: Any) -> bool:
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(dynamo, "OptimizedModule", None)
+    return wrapper is not None and isinstance(module, wrapper)
+
+
+def guard_on_hooks() -> None:
+    """Make dynamo guard on module hooks while a monitor is attached (reference-counted)."""
+    global _guard_users, _saved_skip_hook_guards
+    config = _dynamo_config()
+    if config is None:
+        return
+    if _guard_users == 0:
+        _saved_skip_hook_guards = bool(getattr(config, "skip_nnmodule_hook_guards", True))
+    _guard_users += 1
+    config.skip_nnmodule_hook_guards = False
+
+
+def release_hook_guards() -> None:
+    """Undo one :func:`guard_on_hooks`; the user's setting comes back with the last monitor."""
+    global _guard_users
+    config = _dynamo_config()
+    if config is None or _guard_users == 0:
+        return
+    _guard_users -= 1
+    if _guard_users == 0 and _saved_skip_hook_guards is not None:
+        config.skip_nnmodule_hook_guards = _saved_skip_hook_guards
+
+
+def _dynamo_config() -> Any:
+    try:
+        import torch._dynamo.config as config
+    except Exception:  # a build without dynamo: nothing is compiled, nothing to guard
+        return None
+    return config
+
+
+def forget_compiled_frames(model: nn.Module, wrappers: Iterable[nn.Module] = ()) -> int:
+    """Drop the frames dynamo compiled for ``model``'s code, so that the next call traces its hooks
+    as they are now. Returns how many code objects had compiled frames (0: nothing was compiled).
+
+    The candidates: every method of the model's own module classes (``forward``, what
+    ``torch.compile`` of a user model and regional ``block.compile()`` compile; a Lightning
+    module's ``training_step``, which Lightning compiles too), and the code dynamo wraps a
+    ``torch.nn`` model in (``torch.compile(nn.Sequential(...))``), which all such wrappers
+    share: theirs recompile once too. A free function compiled around the model is not found:
+    ``GradMonitor`` warns at the first flush when its hooks did not run.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:  # dynamo was never imported: nothing can have been compiled
+        return 0
+    entries = getattr(eval_frame, "_debug_get_cache_entry_list", None)
+    reset_code = getattr(eval_frame, "reset_code", None)
+    if entries is None or reset_code is None:
+        return 0
+    codes: dict[int, types.CodeType] = {}
+
+    def add(function: Any) -> None:
+        while function is not None:
+            code = getattr(function, "__code__", None)
+            if isinstance(code, types.CodeType):
+                codes[id(code)] = code
+            function = getattr(function, "__wrapped__", None)
+
+    classes: dict[type, None] = {}
+    for module in [model, *model.modules(), *wrappers]:
+        classes.update(dict.fromkeys(type(module).__mro__))
+        if _is_compiled_wrapper(module):
+            add(getattr(module, "forward", None))
+    for cls in classes:
+        if cls.__module__.startswith("torch.") or cls is object:
+            add(getattr(cls, "forward", None))  # torch.nn's own: forward only
+            continue
+        for value in vars(cls).values():
+            add(getattr(value, "__func__", value))  # functions, static and class methods
+    external = sys.modules.get("torch._dynamo.external_utils")
+    wrap_inline = getattr(external, "wrap_inline", None)
+    for const in getattr(getattr(wrap_inline, "__code__", None), "co_consts", ()):
+        if isinstance(const, types.CodeType):
+            codes[id(const)] = const
+    dropped = 0
+    for code in codes.values():
+        try:
+            if entries(code):
+                reset_code(code)
+                dropped += 1
+        except Exception as exc:  # never break a run over a cache
+            log.debug("gradwatch: could not reset dynamo's cache of %s: %s", code.co_name, exc)
+    return dropped

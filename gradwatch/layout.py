@@ -1,0 +1,90 @@
+"""The statistics layout: every state gradwatch keeps, declared once when the monitor attaches.
+
+The declarations depend only on the model's structure (layers, their parameters and
+declared units) and on ``flush_every``, so every rank lays out the same buffer. Per-step
+states have one row per step of the window; window states accumulate over the window.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .buffer import StatBuffer
+from .layers import LayerSpec
+from .param_stats import ParamStats
+
+# Per-step states: one row per step of the window.
+PARAM_SQ = "param_sq"  # [F, P] per-tensor sum of squares of the parameter gradient
+PARAM_MAX = "param_max"  # [F, P] per-tensor max |g|
+PARAM_NONFINITE = "param_nonfinite"  # [F, P] per-tensor number of NaN/Inf elements
+PARAM_PRESENT = "param_present"  # host [F, P] ranks on which the tensor had a gradient
+#: [F, 3, L] per layer: sum of squares of its output gradients, output-gradient calls, and the
+#: samples (batch rows) behind its dead-unit evidence; the cells' backward block, row by row.
+OUT_GRAD = "out_grad"
+FWD_SUM = "fwd_sum"  # [F, L] running sum of the outputs over the window: non-finite from the step an output was
+FWD_ORDER = "fwd_order"  # [F, L] the forward clock at the layer's first call (0: not recorded)
+STEP_FAILED = "step_failed"  # host [F] ranks on which recording this step failed
+# Window states.
+UNIT_ACC = "unit_acc"  # [U] per unit: zero exactly for dead units
+# Update-to-weight ratio (with an optimizer): one row per measured optimizer step, at most
+# flush_every + 1 per window (a measurement after a window's last step joins the next one).
+UPDATE_SQ = "update_sq"  # [F + 1, P] ||w_after - w_before||^2 per tensor
+WEIGHT_SQ = "weight_sq"  # [F + 1, P] ||w_before||^2 per tensor
+UPDATE_SEEN = "update_seen"  # host [F + 1, P] ranks on which the tensor was measured
+
+
+class Layout:
+    """Which states exist, their shapes and reductions, and which steps of a window are sampled."""
+
+    def __init__(self, layers: list[LayerSpec], param_stats: ParamStats, flush_every: int, device: torch.device,
+                 track_updates: bool, sample_every: int) -> None:  # fmt: skip
+        self.names = [layer.name for layer in layers]
+        self.flush_every = flush_every
+        self.device = device
+        n = len(layers)
+        p = param_stats.n_params
+        self.unit_count = np.array([layer.units for layer in layers], dtype=np.int64)
+        self.unit_offset = np.concatenate([[0], np.cumsum(self.unit_count)[:-1]]).astype(np.int64)
+        self.param_layer = param_stats.param_layer
+        self.param_numel = np.zeros(n, dtype=np.int64)
+        np.add.at(self.param_numel, param_stats.param_layer, param_stats.numel)
+        self.tensor_numel = param_stats.numel  # [P]
+        self.param_ndim = param_stats.ndim  # [P]
+        #: Non-finite parameter-gradient elements are counted at every step (the CPU's host
+        #: check), not only on sampled steps.
+        self.counts_every_step = param_stats.counts_every_step
+
+        buffer = self.buffer = StatBuffer(device)
+        # Parameter gradients are identical on every data-parallel rank after backward; sharded
+        # ones (DTensors) are partial sums and maxima, weighted so that a world-wide sum counts
+        # each distinct piece once (see sharding.py).
+        param_sum, param_max = ("sum", "max") if param_stats.sharded else ("none", "none")
+        F = flush_every
+        buffer.add_state(PARAM_SQ, (F, p), param_sum)
+        buffer.add_state(PARAM_MAX, (F, p), param_max)
+        buffer.add_state(PARAM_NONFINITE, (F, p), param_sum)
+        buffer.add_state(PARAM_PRESENT, (F, p), param_sum, host=True)
+        # Output gradients and forward outputs differ per rank: combined by sum, like micro-batches.
+        buffer.add_state(OUT_GRAD, (F, 3, n), "sum")
+        buffer.add_state(FWD_SUM, (F, n), "sum")
+        buffer.add_state(FWD_ORDER, (F, n), "max")
+        buffer.add_state(STEP_FAILED, (F,), "sum", host=True)
+        buffer.add_state(UNIT_ACC, (int(self.unit_count.sum()),), "sum")
+        self.track_updates = track_updates
+        if track_updates:
+            buffer.add_state(UPDATE_SQ, (F + 1, p), param_sum)
+            buffer.add_state(WEIGHT_SQ, (F + 1, p), param_sum)
+            buffer.add_state(UPDATE_SEEN, (F + 1, p), param_sum, host=True)
+        buffer.freeze()
+
+        # Sampled steps record every statistic; the others (detail="standard") the per-tensor sums
+        # of squares and the forward check only. Slots 0 and 1 of every window are sampled, then
+        # every sample_every-th: every window has output-gradient statistics, and dead units are
+        # judged on at least two distinct steps at the window's own flush.
+        self.sample_every = max(1, int(sample_every))
+        self.sampled_slots = (np.arange(F) % self.sample_every == 0) | (np.arange(F) == 1)
+
+    def is_sampled(self, slot: int) -> bool:
+        """Whether step ``slot`` of a window records every statistic (past the window: the next one's slot 0)."""
+        return bool(self.sampled_slots[slot]) if slot < self.flush_every else True

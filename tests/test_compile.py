@@ -1,0 +1,361 @@
+"""gradwatch inside torch.compile'd code: every statistic recorded, equal to an eager twin, no graph
+break, a bounded number of graphs, compile before or after attaching.
+
+References are independent of gradwatch: an eager twin made with copy.deepcopy before attaching,
+trained on the same batches, its outputs' gradients retained by the test's own hooks. Most tests
+compile with backend="aot_eager" (dynamo and AOTAutograd, as with inductor, without the C++
+compile time); one compiles with inductor, the default.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+
+from gradwatch import GradMonitor, HealthConfig
+
+from .reference import RetainedOutputs, own_grad_norm
+
+BACKEND = "aot_eager"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+class Block(nn.Module):
+    """A residual block, the unit a regionally compiled model compiles in place (as torchtitan does)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.norm(self.fc(x)))
+
+
+class Net(nn.Module):
+    """A convolution (channel units), blocks (last-dim units), a head."""
+
+    def __init__(self, blocks: int = 3, width: int = 16) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.inp = nn.Linear(4 * 4 * 4, width)
+        self.blocks = nn.ModuleList([Block(width) for _ in range(blocks)])
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(torch.relu(self.conv(x)).flatten(1))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+LAYERS = ["conv", "inp", "blocks.0.fc", "blocks.0.norm", "blocks.1.fc", "blocks.1.norm", "blocks.2.fc",
+          "blocks.2.norm", "head"]  # fmt: skip
+
+
+def _compiled(model: nn.Module, mode: str, backend: str = BACKEND) -> nn.Module:
+    """The model as the user runs it under each way of compiling."""
+    if mode == "default":
+        return torch.compile(model, backend=backend)
+    if mode == "fullgraph":
+        return torch.compile(model, backend=backend, fullgraph=True)
+    assert mode == "regional"
+    for block in model.blocks:
+        block.compile(backend=backend, fullgraph=True)
+    return model
+
+
+def _batches(steps: int, batch: int = 8):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, 2, 4, 4, generator=g), torch.randint(0, 3, (batch,), generator=g)) for _ in range(steps)]
+
+
+def _train_both(mode: str, steps: int, detail: str, backend: str = BACKEND, flush_every: int | None = None):
+    """(window, per-step references of the twin): the compiled model monitored, the eager twin
+    measured by the test's own hooks, both trained by SGD on the same batches."""
+    torch.manual_seed(0)
+    model = Net()
+    twin = copy.deepcopy(model)  # before attaching: no gradwatch hook on the twin
+    monitor = GradMonitor(model, flush_every=flush_every or steps, detail=detail)
+    run = _compiled(model, mode, backend)
+    retained = RetainedOutputs(twin, LAYERS)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin)]
+    expected = []
+    for x, y in _batches(steps):
+        retained.clear()
+        for net, opt in ((run, opts[0]), (twin, opts[1])):
+            nn.functional.cross_entropy(net(x), y).backward()
+        expected.append(_reference(twin, retained))
+        monitor.step()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    monitor.close()  # flushes what is left
+    return monitor.last_window, expected
+
+
+def _reference(twin: nn.Module, retained: RetainedOutputs) -> dict[str, dict[str, float | np.ndarray]]:
+    """Per layer: grad norm, max |g|, non-finite count, output-gradient norm, units whose output
+    gradient was not zero for some sample, from the twin's own tensors."""
+    out = {}
+    for name in LAYERS:
+        module = twin.get_submodule(name)
+        grads = torch.cat([p.grad.reshape(-1).double() for p in module.parameters(recurse=False)])
+        (output,) = retained.outputs[name]
+        g = output.grad.double()
+        unit_dim = 1 if isinstance(module, nn.Conv2d) else g.ndim - 1
+        other = tuple(d for d in range(g.ndim) if d != unit_dim)
+        out[name] = {
+            "grad_norm": own_grad_norm(module),
+            "grad_max": float(grads.abs().max()),
+            "nonfinite": float((~torch.isfinite(grads)).sum()),
+            "out_grad_norm": retained.norm(name),
+            "alive": (g.abs().amax(dim=other) > 0).numpy(),
+        }
+    return out
+
+
+@pytest.mark.parametrize("mode", ["default", "fullgraph", "regional"])
+def test_every_statistic_inside_compiled_code_equals_the_eager_twin(mode):
+    w, expected = _train_both(mode, steps=3, detail="full")
+    assert w.layers == LAYERS
+    alive = {name: np.zeros_like(expected[0][name]["alive"]) for name in LAYERS}
+    for t, reference in enumerate(expected):
+        for i, name in enumerate(LAYERS):
+            ref = reference[name]
+            assert w.grad_norm[t, i] == pytest.approx(ref["grad_norm"], rel=1e-4), (t, name)
+            assert w.grad_max[t, i] == pytest.approx(ref["grad_max"], rel=1e-4), (t, name)
+            assert w.nonfinite[t, i] == ref["nonfinite"] == 0
+            assert w.out_grad_norm[t, i] == pytest.approx(ref["out_grad_norm"], rel=1e-4), (t, name)
+            alive[name] |= ref["alive"]
+        assert not w.fwd_nonfinite[t].any()
+        assert [w.layers[i] for i in w.step_orders[t][0]] == LAYERS  # forward order, recorded inside
+    for i, name in enumerate(LAYERS):
+        assert (w.unit_alive[i] == alive[name]).all(), name
+    conv_dead = 1.0 - alive["conv"].mean()
+    assert w.dead_fraction[0] == pytest.approx(conv_dead)
+    assert w.rows_seen[0] == 3 * 8  # the conv's evidence counts images, not positions
+    assert w.rows_seen[LAYERS.index("inp")] == 3 * 8
+
+
+def test_default_detail_records_sampled_steps_inside_compiled_code_and_grad_norm_at_every_step():
+    w, expected = _train_both("fullgraph", steps=8, detail="standard", flush_every=30)
+    sampled = [t for t in range(8) if w.sampled[t]]
+    assert sampled == [0, 1]  # slots 0, 1 and every 25th
+    for t, reference in enumerate(expected):
+        for i, name in enumerate(LAYERS):
+            assert w.grad_norm[t, i] == pytest.approx(reference[name]["grad_norm"], rel=1e-4)
+            if t in sampled:
+                assert w.out_grad_norm[t, i] == pytest.approx(reference[name]["out_grad_norm"], rel=1e-4)
+            else:
+                assert np.isnan(w.out_grad_norm[t, i])
+
+
+def test_inductor_compiled_values_equal_the_eager_twin():
+    # The real code generator: the taps' ops fused into the model's own kernels.
+    w, expected = _train_both("fullgraph", steps=2, detail="full", backend="inductor")
+    for t, reference in enumerate(expected):
+        for i, name in enumerate(LAYERS):
+            assert w.grad_norm[t, i] == pytest.approx(reference[name]["grad_norm"], rel=1e-4)
+            assert w.out_grad_norm[t, i] == pytest.approx(reference[name]["out_grad_norm"], rel=1e-4)
+    assert not w.fwd_nonfinite.any()
+
+
+class _PoisonableLinear(nn.Linear):
+    """A Linear whose output gets a buffer added: the test turns it into NaN at one step (a value
+    change, no recompile), so that the NaN starts in this layer's own output."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__(n_in, n_out)
+        self.register_buffer("poison", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.poison
+
+
+class _Poisoned(nn.Module):
+    """Linear -> ReLU layers, the hidden one with a huge negative bias (dead), and a poisonable "mid"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.hidden = nn.Linear(32, 32)
+        self.mid = _PoisonableLinear(32, 32)
+        self.out = nn.Linear(32, 4)
+        with torch.no_grad():
+            self.hidden.bias.fill_(-100.0)  # every unit of hidden's ReLU output is 0: a dead layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        h = torch.relu(self.hidden(h))
+        h = torch.relu(self.mid(h + 0.1))
+        return self.out(h)
+
+
+def test_dead_layer_and_nan_origin_under_fullgraph(caplog):
+    torch.manual_seed(0)
+    model = _Poisoned()
+    monitor = GradMonitor(model, flush_every=10, config=HealthConfig(stop_on=frozenset()))
+    run = torch.compile(model, backend=BACKEND, fullgraph=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        for step in range(40):
+            if step == 35:
+                model.mid.poison.fill_(math.nan)
+            x = torch.randn(16, 8)
+            run(x).square().mean().backward()
+            monitor.step()
+            opt.zero_grad()  # no update: the NaN stays a forward NaN of "mid" (the weights stay finite)
+    monitor.close()
+    kinds = {(a.kind, a.layer) for a in monitor.alerts}
+    assert ("dead_units", "hidden") in kinds
+    assert ("vanishing", "hidden") not in kinds
+    nonfinite = [a for a in monitor.alerts if a.kind == "nonfinite"]
+    assert len(nonfinite) == 1 and nonfinite[0].step == 35
+    assert nonfinite[0].layer == "mid" and "first non-finite forward output, in layer mid" in nonfinite[0].message
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
+
+
+@pytest.mark.parametrize("ran_before", [False, True], ids=["fresh", "after-steps"])
+def test_compile_then_attach_uses_the_users_names_and_records(ran_before):
+    torch.manual_seed(0)
+    model = Net()
+    twin = copy.deepcopy(model)
+    run = torch.compile(model, backend=BACKEND, fullgraph=True)
+    batches = _batches(4)
+    if ran_before:  # compiled code exists that has no gradwatch hook in it
+        for x, y in batches[:2]:
+            for net in (run, twin):
+                nn.functional.cross_entropy(net(x), y).backward()
+                net.zero_grad()
+    monitor = GradMonitor(run, flush_every=2, detail="full")
+    assert monitor.layers == LAYERS  # never "_orig_mod.conv"
+    retained = RetainedOutputs(twin, LAYERS)
+    for x, y in batches[2:]:
+        retained.clear()
+        for net in (run, twin):
+            nn.functional.cross_entropy(net(x), y).backward()
+        expected = _reference(twin, retained)
+        monitor.step()
+        run.zero_grad()
+        twin.zero_grad()
+    w = monitor.last_window
+    for i, name in enumerate(LAYERS):
+        assert w.out_grad_norm[-1, i] == pytest.approx(expected[name]["out_grad_norm"], rel=1e-4)
+        assert w.grad_norm[-1, i] == pytest.approx(expected[name]["grad_norm"], rel=1e-4)
+    monitor.close()
+
+
+def test_a_block_compiled_in_place_before_attaching_is_named_as_the_user_named_it():
+    model = Net()
+    model.blocks[1] = torch.compile(model.blocks[1], backend=BACKEND)  # a compiled wrapper inside the tree
+    monitor = GradMonitor(model)
+    assert monitor.layers == LAYERS
+    monitor.close()
+
+
+def test_graphs_do_not_grow_with_steps():
+    torch.manual_seed(0)
+    model = Net()
+    monitor = GradMonitor(model, flush_every=10)  # the default detail: sampled and unsampled steps
+    run = torch.compile(model, backend=BACKEND)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    counts = {}
+    for step, (x, y) in enumerate(_batches(90), start=1):
+        nn.functional.cross_entropy(run(x), y).backward()
+        monitor.step()
+        opt.step()
+        opt.zero_grad()
+        if step in (30, 90):
+            counts[step] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    monitor.close()
+    assert counts[30] == counts[90] <= 2  # one graph for sampled steps, one for the others
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_regional_blocks_share_their_graphs():
+    # Every block of the same class runs the same compiled code: the taps' per-layer facts are
+    # tensors, so the three blocks compile once per step kind, not once each.
+    model = Net()
+    monitor = GradMonitor(model, flush_every=5)
+    run = _compiled(model, "regional")
+    for x, y in _batches(6):
+        nn.functional.cross_entropy(run(x), y).backward()
+        monitor.step()
+        model.zero_grad()
+    monitor.close()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
+def test_another_instance_compiled_without_hooks_does_not_hide_them():
+    # dynamo does not guard on module hooks by default: code compiled for an unmonitored instance
+    # of the same class would run for the monitored one, hooks left out.
+    torch.manual_seed(0)
+    plain, watched = Net(), Net()
+    x, y = _batches(1)[0]
+    plain_run = torch.compile(plain, backend=BACKEND)
+    nn.functional.cross_entropy(plain_run(x), y).backward()
+    monitor = GradMonitor(watched, flush_every=1)
+    watched_run = torch.compile(watched, backend=BACKEND)
+    nn.functional.cross_entropy(plain_run(x), y).backward()  # the unmonitored one compiles again first
+    nn.functional.cross_entropy(watched_run(x), y).backward()
+    monitor.step()
+    assert monitor.last_window.out_seen.all()
+    monitor.close()
+
+
+def test_close_leaves_the_compiled_model_running_without_gradwatch():
+    model = Net()
+    run = torch.compile(model, backend=BACKEND, fullgraph=True)
+    monitor = GradMonitor(model, flush_every=2)
+    batches = _batches(4)
+    for x, y in batches[:2]:
+        nn.functional.cross_entropy(run(x), y).backward()
+        monitor.step()
+    monitor.close()
+    cells = monitor._recorder.cells.devices[0]
+    for x, y in batches[2:]:
+        nn.functional.cross_entropy(run(x), y).backward()
+    assert not cells.forward.any() and not cells.backward.any()  # the compiled code no longer writes
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_a_compiled_function_around_the_model_from_before_attaching_is_said_and_reset_fixes_it(caplog):
+    # gradwatch cannot find a free function compiled before it attached: it says so at the flush,
+    # and torch.compiler.reset() (as the warning advises) brings the hooks in.
+    model = Net()
+    batches = _batches(6)
+
+    @torch.compile(backend=BACKEND)
+    def train_step(x, y):
+        nn.functional.cross_entropy(model(x), y).backward()
+
+    train_step(*batches[0])
+    monitor = GradMonitor(model, flush_every=2)
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        for x, y in batches[1:3]:
+            train_step(x, y)
+            monitor.step()
+    warned = [r for r in caplog.records if "hooks did not run" in r.getMessage()]
+    assert len(warned) == 1 and "torch.compiler.reset()" in warned[0].getMessage()
+    assert not monitor.last_window.out_seen.any()
+    torch.compiler.reset()
+    for x, y in batches[3:5]:
+        train_step(x, y)
+        monitor.step()
+    assert monitor.last_window.out_seen[0].all()  # step 0 of the window is sampled
+    monitor.close()
