@@ -13,9 +13,14 @@ from gradwatch import GradMonitor, HealthConfig
 
 
 class Contender:
-    """One way of training a model copy: ``step()`` runs forward, backward, monitoring, update."""
+    """One way of training a model copy: ``step()`` runs forward, backward, monitoring, update.
+
+    ``compiled = True`` (see :func:`compiled`): the model runs as ``torch.compile(model)``,
+    compiled after the contender attached whatever it attaches.
+    """
 
     name = "none"
+    compiled = False
 
     def __init__(self, model: nn.Module, workload: Any, device: torch.device) -> None:
         self.model = model
@@ -23,13 +28,16 @@ class Contender:
         self.device = device
         self.opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         self.batch = workload.make_batch(device)
+        self._run: Any = None
 
     def after_backward(self) -> None:
         pass
 
     def step(self) -> None:
+        if self._run is None:
+            self._run = torch.compile(self.model) if self.compiled else self.model
         x, y = self.batch
-        loss = self.workload.loss(self.model(x), y)
+        loss = self.workload.loss(self._run(x), y)
         loss.backward()
         self.after_backward()
         self.opt.step()
@@ -74,6 +82,10 @@ def gradwatch_contender(flush_every: int, with_optimizer: bool = False, detail: 
         def close(self):
             self.monitor.close()
             shutil.rmtree(self.logdir, ignore_errors=True)
+            window = self.monitor.last_window
+            if window is not None and window.sampled is not None:
+                # every layer's output gradient seen on the sampled steps (also inside compiled code)
+                self.report = {"out_grad_recorded": bool(window.out_seen[window.sampled].all())}
 
     return GradWatchContender
 
@@ -215,6 +227,66 @@ class ReadOnceFloor(Contender):
     def close(self):
         for h in self.handles:
             h.remove()
+
+
+def compiled(kind: type[Contender], name: str | None = None) -> type[Contender]:
+    """The same contender with its model run through ``torch.compile`` (the default inductor backend)."""
+    return type(f"Compiled{kind.__name__}", (kind,), {"compiled": True, "name": name or f"{kind.name}, compiled"})
+
+
+class EmptyHooks(Contender):
+    """A forward hook that does nothing on every layer: what having a hook at all costs."""
+
+    name = "empty forward hook per layer"
+
+    def __init__(self, model, workload, device):
+        super().__init__(model, workload, device)
+        self.handles = [m.register_forward_hook(lambda m, a, o: None) for m in _layers(model)]
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+class DefaultStepFloor(Contender):
+    """What the default reads on a step that is not sampled, with no bookkeeping: one sum of each
+    layer's output in a forward hook (the non-finite check) and one ``_foreach_norm`` of the
+    parameter gradients. A lower bound for the default's per-layer cost."""
+
+    name = "default's read floor (no bookkeeping)"
+
+    def __init__(self, model, workload, device):
+        super().__init__(model, workload, device)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.results: list[torch.Tensor] = []
+        self.handles = [m.register_forward_hook(self._forward_hook) for m in _layers(model)]
+
+    def _forward_hook(self, module, args, output):
+        if isinstance(output, torch.Tensor):
+            torch._C._set_grad_enabled(False)
+            self.results.append(output.sum())
+            torch._C._set_grad_enabled(True)
+
+    def after_backward(self):
+        self.results.extend(torch._foreach_norm([p.grad for p in self.params if p.grad is not None], 2))
+        self.results.clear()
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+class OutputReadFloor(DefaultStepFloor):
+    """Only the forward hooks' output sums of :class:`DefaultStepFloor`."""
+
+    name = "output sum per layer (no bookkeeping)"
+
+    def after_backward(self):
+        self.results.clear()
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
 
 
 def standard() -> list[type[Contender]]:

@@ -1,13 +1,16 @@
 """GPU check: the benchmark workloads on CUDA, with host syncs made errors between flushes.
 
-    python benchmarks/gpu_check.py     # about 3-5 minutes on one GPU
+    python benchmarks/gpu_check.py     # about 5-8 minutes on one GPU
 
 1. No sync: ``torch.cuda.set_sync_debug_mode("error")`` around gradwatch's non-flush steps
    (forward, backward, monitor.step(), optimizer step), for the default (detail="standard":
-   sampled and unsampled steps) and detail="full": any synchronising call raises.
+   sampled and unsampled steps) and detail="full", eager and under torch.compile: any
+   synchronising call raises.
 2. Overhead: the interleaved ratio (and paired per-round ratio) to an unmonitored copy,
    for the same contenders as the CPU tables (default, full detail, +update_ratio, the
-   alternatives, the floors), steps timed with synchronize; then the real models.
+   alternatives, the floors), steps timed with synchronize; the compiled case (gradwatch
+   compiled into the model against the same model compiled without it); the depth sweep;
+   then the real models.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ from benchmarks import workloads as W  # noqa: E402
 from benchmarks.harness import format_table, measure  # noqa: E402
 
 
-def no_sync_check(workload, device: torch.device, steps: int = 30, detail: str = "standard") -> str:
+def no_sync_check(workload, device: torch.device, steps: int = 30, detail: str = "standard",
+                  compiled: bool = False) -> str:  # fmt: skip
     torch.manual_seed(0)
     model = workload.make_model().to(device)
-    watched = C.gradwatch_contender(50, with_optimizer=True, detail=detail)(copy.deepcopy(model), workload, device)
+    kind = C.gradwatch_contender(50, with_optimizer=True, detail=detail)
+    watched = (C.compiled(kind) if compiled else kind)(copy.deepcopy(model), workload, device)
     # Adam on CUDA with capturable=False keeps its step counters on the host: no sync there.
     for _ in range(3):
         watched.step()
@@ -56,12 +61,19 @@ def main() -> None:
     for workload in W.standard():
         for detail in ("standard", "full"):
             print(f"{workload.name} ({detail}): {no_sync_check(workload, device, detail=detail)}", flush=True)
+    for workload in (W.mlp(), W.transformer()):
+        result = no_sync_check(workload, device, compiled=True)
+        print(f"{workload.name} (standard, compiled): {result}", flush=True)
     contenders = C.standard()  # the CPU tables' contenders, read-once floor included
     for workload in W.standard():
         results = measure(workload, contenders, rounds=100, warmup=10, device=device, sync=torch.cuda.synchronize)
         print(format_table(workload.name, results), flush=True)
         print(f"peak memory {torch.cuda.max_memory_allocated() / (1 << 20):.0f} MiB (all contenders)")
-    from benchmarks.overhead import REAL_MODEL_CONTENDERS
+    from benchmarks.overhead import REAL_MODEL_CONTENDERS, compiled_section, depth_section
+
+    sync = torch.cuda.synchronize
+    compiled_section(50, 10, device, sync=sync)
+    depth_section(30, 5, device, (16, 64, 256), sync=sync)
 
     for workload in W.real_models():
         results = measure(workload, REAL_MODEL_CONTENDERS, rounds=30, warmup=5, device=device, sync=torch.cuda.synchronize)

@@ -20,6 +20,8 @@ class Result:
     times: list[float] = field(default_factory=list)
     buffer_bytes: int | None = None
     peak_bytes: int | None = None
+    #: what the contender reported when it closed (e.g. whether gradwatch recorded output gradients)
+    report: dict = field(default_factory=dict)
 
     @property
     def median(self) -> float:
@@ -59,6 +61,7 @@ def measure(workload, contender_types, rounds: int, warmup: int, device: torch.d
     for c in contenders:
         results[c.name].buffer_bytes = getattr(c, "buffer_bytes", None)
         c.close()
+        results[c.name].report = dict(getattr(c, "report", {}))
     return [results[c.name] for c in contenders]
 
 
@@ -110,6 +113,13 @@ def paired_ratio(result: Result, base: Result, resamples: int = 2000) -> tuple[f
     medians = np.median(rng.choice(ratios, size=(resamples, ratios.size)), axis=1)
     low, high = np.percentile(medians, [2.5, 97.5])
     return float(np.median(ratios)), float(low), float(high)
+
+
+def per_layer_us(result: Result, base: Result, layers: int) -> float:
+    """Median over rounds of (this step - the unmonitored step of the same round) / layers, in us."""
+    import numpy as np
+
+    return float(np.median(np.asarray(result.times) - np.asarray(base.times)) / layers * 1e6)
 
 
 def format_table(workload_name: str, results: list[Result]) -> str:

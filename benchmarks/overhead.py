@@ -1,7 +1,8 @@
 """gradwatch's step-time overhead against an unmonitored run and the usual alternatives.
 
-    python benchmarks/overhead.py            # full run (a few minutes on 2 CPU cores)
-    python benchmarks/overhead.py --quick    # fewer rounds, for a smoke test
+    python benchmarks/overhead.py                      # every section (about half an hour on 2 CPU cores)
+    python benchmarks/overhead.py --quick              # fewer rounds, for a smoke test
+    python benchmarks/overhead.py --only compiled,depth  # some sections: standard, real, compiled, depth, flush
 
 Every figure is a ratio to an unmonitored copy of the same model measured in the
 same process, contenders interleaved step by step with the order rotated every
@@ -34,6 +35,7 @@ from benchmarks.harness import (  # noqa: E402
     measure,
     ops_per_step,
     paired_ratio,
+    per_layer_us,
 )
 
 #: The contenders of the real-model tables (each step takes 0.2-0.5 s on 2 CPU cores).
@@ -53,6 +55,56 @@ def op_table(workload, device: torch.device) -> dict[str, float]:
     return {"unmonitored": plain, "standard": standard, "full": full}
 
 
+#: Compiled runs: the model as torch.compile(model) (inductor) for each contender, against the
+#: same model compiled without gradwatch; the eager unmonitored step for scale.
+COMPILED_CONTENDERS = [
+    C.compiled(C.Unmonitored, "none, compiled"), C.compiled(C.UnmonitoredControl, "none (A/A), compiled"),
+    C.compiled(C.gradwatch_contender(50), "gradwatch flush=50, compiled"),
+    C.compiled(C.gradwatch_contender(50, detail="full"), "gradwatch flush=50 full, compiled"),
+    C.Unmonitored,
+]  # fmt: skip
+
+#: The depth sweep: the default against the floors of what it reads, per monitored layer.
+DEPTH_CONTENDERS = [C.Unmonitored, C.UnmonitoredControl, C.EmptyHooks, C.OutputReadFloor, C.DefaultStepFloor,
+                    C.gradwatch_contender(50)]  # fmt: skip
+
+
+def compiled_section(rounds: int, warmup: int, device: torch.device, sync=None) -> dict:
+    """Compiled step with gradwatch / compiled step without it, MLP 8x512 and the Transformer."""
+    print("\n# compiled training: torch.compile(model), inductor; ratios to the compiled unmonitored step")
+    figures = {}
+    for workload in (W.mlp(), W.transformer()):
+        results = measure(workload, COMPILED_CONTENDERS, rounds, warmup, device, sync=sync)
+        print(format_table(workload.name, results), flush=True)
+        for r in results:
+            if "out_grad_recorded" in r.report:
+                print(f"  {r.name}: output gradients recorded inside compiled code: {r.report['out_grad_recorded']}")
+        figures[workload.name] = _figures(results)
+    return figures
+
+
+def depth_section(rounds: int, warmup: int, device: torch.device, depths: tuple[int, ...], sync=None) -> dict:
+    """Cost per monitored layer against depth (Linear + LayerNorm + ReLU blocks, width 256,
+    batch 256, Adam), beside the floors: an empty hook, the output sum, the default's reads."""
+    print("\n## cost per monitored layer against depth (blocks of Linear + LayerNorm + ReLU, width 256, "
+          "batch 256, Adam, flush_every=50): median over rounds of (step - unmonitored step) / layers, in us")
+    names = [k.name for k in DEPTH_CONTENDERS[1:]]
+    print(f"{'blocks':>6s} {'layers':>6s} {'step ms':>8s} " + " ".join(f"{n[:22]:>23s}" for n in names)
+          + f" {'gradwatch ratio':>16s}")  # fmt: skip
+    figures = {}
+    for depth in depths:
+        workload = W.deep_mlp(depth)
+        layers = 2 * depth + 1
+        res = measure(workload, DEPTH_CONTENDERS, rounds, warmup, device, sync=sync)
+        costs = {r.name: per_layer_us(r, res[0], layers) for r in res[1:]}
+        ratio = paired_ratio(res[-1], res[0])
+        figures[depth] = {"layers": layers, "step_ms": res[0].median * 1e3, "per_layer_us": costs,
+                          "gradwatch_paired_ratio": ratio}  # fmt: skip
+        print(f"{depth:6d} {layers:6d} {res[0].median * 1e3:8.2f} " + " ".join(f"{costs[n]:23.1f}" for n in names)
+              + f" {ratio[0]:7.3f} [{ratio[1]:.3f}, {ratio[2]:.3f}]", flush=True)  # fmt: skip
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer rounds (smoke test)")
@@ -61,7 +113,13 @@ def main() -> None:
     parser.add_argument("--skip-scaling", action="store_true", help="skip the depth and flush_every sweeps")
     parser.add_argument("--skip-real", action="store_true", help="skip the real-model tables (ResNet-18, GPT-2, ViT)")
     parser.add_argument("--skip-ops", action="store_true", help="skip the op counts (slow: every op through Python)")
+    parser.add_argument("--only", help="comma-separated sections: standard, real, compiled, depth, flush")
     args = parser.parse_args()
+    sections = set(args.only.split(",")) if args.only else {"standard", "real", "compiled", "depth", "flush"}
+    if args.skip_real:
+        sections.discard("real")
+    if args.skip_scaling:
+        sections -= {"depth", "flush"}
     logging.getLogger("gradwatch").setLevel(logging.ERROR)  # random-label tasks are not the point here
     rounds = args.rounds or (20 if args.quick else 100)
     warmup = 3 if args.quick else 10
@@ -70,7 +128,7 @@ def main() -> None:
           f"{platform.processor() or platform.machine()}, python {platform.python_version()}")  # fmt: skip
     report: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "workloads": {}}
 
-    for workload in W.standard():
+    for workload in W.standard() if "standard" in sections else []:
         results = measure(workload, C.standard(), rounds, warmup, device)
         print(format_table(workload.name, results), flush=True)
         plain, watched = host_syncs_between_flushes(workload, device)
@@ -79,7 +137,7 @@ def main() -> None:
         if not args.skip_ops:
             report["workloads"][workload.name]["aten_ops_per_step"] = op_table(workload, device)
 
-    if not args.skip_real:
+    if "real" in sections:
         real_rounds = max(rounds // 3, 8)
         print(f"\n# real architectures built from configs ({real_rounds} rounds; AdamW as in the tables above)")
         report["real_models"] = {}
@@ -88,19 +146,14 @@ def main() -> None:
             print(format_table(workload.name, results), flush=True)
             report["real_models"][workload.name] = _figures(results)
 
-    if not args.skip_scaling:
-        print("\n## overhead against depth (MLP width 256, batch 128, flush_every=50)")
-        print(f"{'depth':>6s} {'median ms':>10s} {'ratio':>7s} {'A/A':>7s}")
-        depths = (4, 16, 64) if args.quick else (4, 8, 16, 32, 64)
-        report["depth"] = {}
-        for depth in depths:
-            res = measure(W.mlp(depth=depth, width=256, batch=128),
-                          [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(50)],
-                          rounds, warmup, device)  # fmt: skip
-            ratio, aa = res[2].median / res[0].median, res[1].median / res[0].median
-            report["depth"][depth] = ratio
-            print(f"{depth:6d} {res[0].median * 1e3:10.2f} {ratio:7.3f} {aa:7.3f}", flush=True)
+    if "compiled" in sections:
+        report["compiled"] = compiled_section(max(rounds // 2, 10), warmup, device)
 
+    if "depth" in sections:
+        depths = (16, 64) if args.quick else (16, 64, 256)
+        report["depth"] = depth_section(max(rounds // 2, 10), warmup, device, depths)
+
+    if "flush" in sections:
         print("\n## overhead against flush_every (MLP 8x512)")
         print(f"{'flush_every':>12s} {'ratio':>7s} {'mean ratio':>11s}")
         flushes = (1, 10, 50, 200)

@@ -30,6 +30,22 @@ def mlp(depth: int = 8, width: int = 512, batch: int = 256) -> Workload:
     return Workload(f"mlp{depth}x{width}", make_model, make_batch, nn.functional.cross_entropy)
 
 
+def deep_mlp(depth: int, width: int = 256, batch: int = 256) -> Workload:
+    """``depth`` blocks of Linear + LayerNorm + ReLU (2 monitored layers each), then a head: the
+    shape where a monitor's fixed cost per layer shows."""
+
+    def make_model() -> nn.Module:
+        layers: list[nn.Module] = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU()]
+        return nn.Sequential(*layers, nn.Linear(width, 10))
+
+    def make_batch(device: torch.device):
+        return torch.randn(batch, width, device=device), torch.randint(0, 10, (batch,), device=device)
+
+    return Workload(f"deep-mlp{depth}x{width}-b{batch}", make_model, make_batch, nn.functional.cross_entropy)
+
+
 class _Block(nn.Module):
     def __init__(self, channels: int) -> None:
         super().__init__()

@@ -270,46 +270,46 @@ class OutputTap:
         return grad
 
     def _record_grad(self, g: torch.Tensor) -> None:
-        norm = torch.linalg.vector_norm(g, dtype=self.out_sq.dtype)  # exact at any magnitude
-        self.out_sq.addcmul_(norm, norm)
+        """Sum of squares, exact at any magnitude: norms of rows accumulated in float64 (on the CPU a
+        float64 reduction over rows costs a third of one over the whole tensor), then their squares
+        summed; the rows are also what the dead-unit evidence is made of."""
+        acc = self.out_sq.dtype
         self.calls.add_(1.0)
         ndim = g.ndim
-        if ndim == 0 or self.layer_units == 0:
+        dim = self.unit_dim(ndim) if ndim else 0
+        judged = ndim > 0 and self.layer_units > 0 and g.shape[dim] == self.layer_units
+        if ndim >= 3 and dim == 1:
+            # (N, C, *spatial): one norm per (sample, channel) over positions, in any layout.
+            rows = torch.linalg.vector_norm(g, 2, dim=tuple(range(2, ndim)), dtype=acc)
+            self.out_sq.add_(rows.square().sum())
+            if judged:
+                # Per channel over samples and positions. The samples are the N examples, not
+                # N x positions: neighbouring positions of one image are not independent evidence.
+                evidence = torch.linalg.vector_norm(rows, 2, dim=0)
+                self.units.addcmul_(evidence, evidence)
+                self.samples.add_(float(g.shape[0]))
             return
-        dim = self.unit_dim(ndim)
-        if g.shape[dim] != self.layer_units:
-            return  # an output without the declared units: no dead-unit evidence
-        evidence, samples = self._unit_evidence(g, dim)
-        self.units.addcmul_(evidence, evidence)
-        self.samples.add_(float(samples))
-
-    def _unit_evidence(self, g: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
-        """(per-unit vector that is zero exactly for the units whose gradient is zero for every
-        sample, whose squares are summed over calls; number of independent samples it covers)."""
-        units = self.layer_units
-        if g.dtype not in (torch.float32, torch.float64):
-            g = g.float()  # half-precision squares overflow
-        if dim == 1 and g.ndim >= 3:
-            # (N, C, *spatial): per-channel norms over samples and positions, through per (sample,
-            # channel) norms (a reduction over contiguous positions, any layout). The samples are
-            # the N examples, not N x positions: neighbouring positions of one image are not
-            # independent evidence.
-            rows = torch.linalg.vector_norm(g, 2, dim=tuple(range(2, g.ndim)))
-            return torch.linalg.vector_norm(rows, 2, dim=0), g.shape[0]
-        if g.ndim == 1:
-            return g, 1
         # (*, U): every leading index is a row (a sample, or a token of one).
-        rows = g.reshape(-1, units)
+        rows = g if ndim == 2 else g.reshape(-1, g.shape[-1]) if ndim > 2 else g.reshape(1, -1)
+        row_norms = torch.linalg.vector_norm(rows, 2, dim=1, dtype=acc)
+        self.out_sq.add_(torch.dot(row_norms, row_norms))
+        if not judged:
+            return  # units unknown, or an output without the declared units: no dead-unit evidence
+        if rows.dtype not in (torch.float32, torch.float64):
+            rows = rows.float()  # half-precision squares overflow
         n = rows.shape[0]
         if self.unit_sums:  # dead_eps > 0: per-unit norms, compared with dead_eps
-            return torch.linalg.vector_norm(rows, 2, dim=0), n
-        # Projection on fixed positive weights (one matrix-vector product): zero for a unit whose
-        # gradient is zero for every row, and (but for an exact cancellation against random
-        # weights) not otherwise.
-        weights = self.weights[:n] if n <= self.weights.shape[0] else _generated_weights(n, rows.device)
-        if weights.dtype != rows.dtype:
-            weights = weights.to(rows.dtype)
-        return torch.mv(rows.t(), weights), n
+            evidence = torch.linalg.vector_norm(rows, 2, dim=0)
+        else:
+            # Projection on fixed positive weights (one matrix-vector product): zero for a unit
+            # whose gradient is zero for every row, and (but for an exact cancellation against
+            # random weights) not otherwise. Squared when added, so that calls never cancel.
+            weights = self.weights[:n] if n <= self.weights.shape[0] else _generated_weights(n, rows.device)
+            if weights.dtype != rows.dtype:
+                weights = weights.to(rows.dtype)
+            evidence = torch.mv(rows.t(), weights)
+        self.units.addcmul_(evidence, evidence)
+        self.samples.add_(float(n))
 
 
 def inert_hook(module: torch.nn.Module, args: Any, output: Any) -> None:

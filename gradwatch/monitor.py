@@ -94,7 +94,7 @@ class GradMonitor:
             self._layer_specs,
             flush_every,
             device,
-            scale_source,
+            scale_source if scaler is not None else None,  # no GradScaler: nothing to unscale, no call per step
             project_units=config.dead_eps == 0,
             world_size=world,
             track_updates=optimizer is not None,

@@ -274,8 +274,12 @@ class ParamStats:
 
     def record(self, rows: StepRows, present: np.ndarray) -> None:
         """Write this step's per-tensor partials into ``rows``; set ``present`` to 1 where a gradient was."""
-        with torch.no_grad():  # gradients made with create_graph=True require grad themselves
+        grad_mode = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # gradients made with create_graph=True require grad themselves
+        try:
             self._record(rows, present)
+        finally:
+            torch._C._set_grad_enabled(grad_mode)
 
     def _record(self, rows: StepRows, present: np.ndarray) -> None:
         # Every Python operation here runs right after backward has evicted the interpreter's

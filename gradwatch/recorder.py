@@ -37,7 +37,7 @@ class Recorder:
         layers: list[LayerSpec],
         flush_every: int,
         device: torch.device,
-        scale_source: Callable[[], torch.Tensor | None],
+        scale_source: Callable[[], torch.Tensor | None] | None,
         project_units: bool = True,
         world_size: int = 1,
         track_updates: bool = False,
@@ -117,10 +117,12 @@ class Recorder:
         at the same step; a failed row is marked and left out of the window.
         """
         slot = self.slot
-        sampled = self.plan.sampling
+        plan = self.plan
+        sampled = plan.sampling
         try:
-            self._report_tap_failure()
-            scale = self._scale_source()
+            if plan.failed:
+                self._report_tap_failure()
+            scale = self._scale_source() if self._scale_source is not None else None
             if scale is not None:
                 scale = scale.to(self._dtype)
             for moves in self._moves:
@@ -135,10 +137,11 @@ class Recorder:
             self._host[STEP_FAILED][slot] = 1
             raise
         finally:
-            for cells in self.cells.devices:
-                cells.reset_step(sampled)
+            if sampled:
+                for cells in self.cells.devices:
+                    cells.reset_step(sampled)
             self.slot = slot + 1
-            self.plan.sampling = self.layout.is_sampled(self.slot)
+            plan.sampling = self.layout.is_sampled(self.slot)
 
     def _report_tap_failure(self) -> None:
         if not self.plan.failed:

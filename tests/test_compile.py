@@ -359,3 +359,25 @@ def test_a_compiled_function_around_the_model_from_before_attaching_is_said_and_
         monitor.step()
     assert monitor.last_window.out_seen[0].all()  # step 0 of the window is sampled
     monitor.close()
+
+
+def test_compiled_autograd_traces_the_output_gradient_hooks():
+    torch.manual_seed(0)
+    model = Net()
+    twin = copy.deepcopy(model)
+    monitor = GradMonitor(model, flush_every=1, detail="full")
+    run = torch.compile(model, backend=BACKEND)
+    retained = RetainedOutputs(twin, LAYERS)
+    (x, y), = _batches(1)
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        loss = nn.functional.cross_entropy(run(x), y)
+        torch.compile(lambda: loss.backward(), backend=BACKEND)()  # the backward, compiled
+    assert torch._dynamo.utils.counters["compiled_autograd"]["captures"] >= 1  # it really ran
+    nn.functional.cross_entropy(twin(x), y).backward()
+    monitor.step()
+    expected = _reference(twin, retained)
+    w = monitor.last_window
+    for i, name in enumerate(LAYERS):
+        assert w.out_grad_norm[0, i] == pytest.approx(expected[name]["out_grad_norm"], rel=1e-4)
+        assert w.grad_norm[0, i] == pytest.approx(expected[name]["grad_norm"], rel=1e-4)
+    monitor.close()
