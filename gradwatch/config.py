@@ -22,10 +22,11 @@ class HealthConfig:
     vanishing_rel_rms: float = 1e-5
     #: Exploding: a layer's grad_norm above this absolute ceiling at any step ...
     exploding_abs_norm: float = 1e5
-    #: ... or above this factor times the layer's baseline (the running maximum
-    #: of its earlier windows' median grad_norm).
+    #: ... or above this factor times the layer's recent level (the larger of the largest of
+    #: its last 10 calm steps and the median of its last 50): judged against where the run is
+    #: now, not its all-time peak, so a spike after a high start that settled is still flagged.
     exploding_factor: float = 10.0
-    #: Steps before the relative exploding test starts (the baseline needs history).
+    #: Steps before the relative exploding test starts (the recent level needs history).
     exploding_warmup_steps: int = 20
     #: ... and at any step, warm-up included: a grad_norm at least this many times the
     #: previous calm step's is exploding (a jump, not smooth growth).

@@ -23,8 +23,11 @@ from .window import Window
 
 log = logging.getLogger("gradwatch")
 
-# The exploding test compares a step with the largest of this many earlier calm steps.
+# The exploding test compares a step with the recent level of its column: the larger of the
+# largest of the last _RECENT_STEPS calm steps (smooth growth raises its own bar) and the median
+# of the last _LEVEL_STEPS calm steps (the level a run settled at).
 _RECENT_STEPS = 10
+_LEVEL_STEPS = 50
 # Vanishing is judged on the median of a layer's last steps (at least _VANISHING_MIN of them).
 _VANISHING_STEPS = 20
 _VANISHING_MIN = 5
@@ -61,10 +64,10 @@ class HealthChecks:
         n = len(layers)
         #: True when the optimizer normalises its step: then only the absolute vanishing floor applies.
         self.normalised_steps = normalised_steps
-        # Running maximum of earlier windows' median grad_norm, per layer and
-        # (last entry) for the global norm; NaN until a window had data.
-        self.baseline = np.full(n + 1, np.nan)
-        # The last _RECENT_STEPS calm values per column (a ring per column; NaN: none yet).
+        # The last _LEVEL_STEPS and the last _RECENT_STEPS calm values per column, per layer and
+        # (last column) for the global norm: rings, NaN where there is none yet.
+        self.level = np.full((_LEVEL_STEPS, n + 1), np.nan)
+        self.level_slot = np.zeros(n + 1, dtype=np.int64)
         self.recent = np.full((_RECENT_STEPS, n + 1), np.nan)
         self.recent_slot = np.zeros(n + 1, dtype=np.int64)
         self.last_calm = np.full(n + 1, np.nan)  # the latest calm value per column (step-to-step jumps)
@@ -168,17 +171,10 @@ class HealthChecks:
             else:
                 threshold = float(ceiling[t, j])
                 base = threshold / cfg.exploding_factor
-                why = f"{value / base:.3g}x its baseline {base:.4g}"
+                why = f"{value / base:.3g}x its recent level {base:.4g}"
             findings.append(Finding("exploding", names[j], w.steps[t], value, threshold, why))
         calm_columns = ~over.any(axis=0) & np.isfinite(table).any(axis=0)
         result.clear.update(("exploding", names[j]) for j in np.flatnonzero(calm_columns))
-
-        # Raise the running baseline to this window's median, leaving out the
-        # steps that exploded so that a spike does not raise its own bar.
-        calm = np.where(over, np.nan, table)
-        window_median = np.nanmedian(calm, axis=0)
-        update = np.isfinite(window_median)
-        self.baseline[update] = np.fmax(self.baseline[update], window_median[update])
 
         # When the whole model explodes, one alert for the model, not one per layer.
         layer_hits = [f for f in findings if f.layer]
@@ -350,13 +346,15 @@ class HealthChecks:
     def _causal_ceilings(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per step and column: the relative ceiling and the jump ceiling.
 
-        Relative (after the warm-up): factor x max(long-run baseline, largest of the last
-        calm steps). Causal: a step is compared only with earlier steps. The recent
-        reference is the largest of the last ``_RECENT_STEPS`` calm (not exploded, finite)
-        values, carried across windows, so gradients that grow smoothly (Adam's first
-        hundred steps, a learning-rate warm-up) raise their own bar as they go, while a
-        jump of ``factor`` x within a few steps does not. Exploded steps never enter the
-        reference, so an explosion that persists stays flagged.
+        Relative (after the warm-up): factor x the column's recent level, the larger of the
+        largest of its last ``_RECENT_STEPS`` calm (not exploded, finite) values and the median
+        of its last ``_LEVEL_STEPS``, carried across windows. Causal: a step is compared only
+        with earlier steps. Gradients that grow smoothly (Adam's first hundred steps, a
+        learning-rate warm-up) raise their own bar as they go, while a jump of ``factor`` x
+        within a few steps does not; gradients that start high and settle lower the bar as they
+        settle (within ``_LEVEL_STEPS``), so a later spike is judged against where the run is,
+        not where it started. Exploded steps never enter the rings, so an explosion that persists
+        stays flagged.
 
         Jump (at any step, warm-up included): ``exploding_jump`` x the previous calm step.
         """
@@ -364,12 +362,15 @@ class HealthChecks:
         n, m = table.shape
         ceilings = np.full((n, m), np.inf)
         jumps = np.full((n, m), np.inf)
-        history = np.where(np.isfinite(self.baseline) & (self.baseline > 0), self.baseline, 0.0)
         recent, slot = self.recent, self.recent_slot
+        level, level_slot = self.level, self.level_slot
         columns = np.arange(m)
         for t in range(n):
             if self.steps_seen + t >= cfg.exploding_warmup_steps:
-                reference = np.fmax(history, np.fmax.reduce(recent, axis=0))  # fmax skips NaN
+                with warnings.catch_warnings():  # columns without a calm value yet
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    settled = np.nanmedian(level, axis=0)
+                reference = np.fmax(settled, np.fmax.reduce(recent, axis=0))  # fmax skips NaN
                 known = reference > 0
                 ceilings[t, known] = cfg.exploding_factor * reference[known]
             previous = self.last_calm
@@ -382,6 +383,8 @@ class HealthChecks:
             calm = np.isfinite(row) & ~over_rel & ~over_abs & ~over_jump
             recent[slot[calm], columns[calm]] = row[calm]
             slot[calm] = (slot[calm] + 1) % _RECENT_STEPS
+            level[level_slot[calm], columns[calm]] = row[calm]
+            level_slot[calm] = (level_slot[calm] + 1) % _LEVEL_STEPS
             self.last_calm[calm] = row[calm]
         return ceilings, jumps
 
@@ -397,7 +400,8 @@ class HealthChecks:
 
         return {
             "layers": list(self.layers),
-            "baseline": _nullable(self.baseline),
+            "level": column_lists(self.level),
+            "level_slot": [int(i) for i in self.level_slot],
             "recent": column_lists(self.recent),
             "recent_slot": [int(i) for i in self.recent_slot],
             "last_calm": _nullable(self.last_calm),
@@ -411,7 +415,9 @@ class HealthChecks:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         names, columns = state["layers"] + [""], self.layers + [""]  # per layer, then the global norm
-        self.baseline = _by_name(state["baseline"], names, columns)
+        self.level = _columns(state.get("level", []), names, columns, _LEVEL_STEPS)
+        level_slots = dict(zip(names, state.get("level_slot", [])))
+        self.level_slot = np.array([int(level_slots.get(n, 0)) % _LEVEL_STEPS for n in columns], dtype=np.int64)
         self.last_calm = _by_name(state.get("last_calm", []), names, columns)
         self.recent = _columns(state.get("recent", []), names, columns, _RECENT_STEPS)
         slots = dict(zip(names, state.get("recent_slot", [])))

@@ -82,6 +82,8 @@ class GradWatchCallback(TrainerCallback):
         self._recorded_at: Optional[int] = None  # the last step recorded before clipping
         self._stop = False
         self._warned_after_clip = False
+        self._trainer: Any = None  # whose training_step is wrapped
+        self._tb_callback: Any = None  # the Trainer's TensorBoardCallback, whose on_train_end is wrapped
 
     @property
     def alerts(self) -> list[Alert]:
@@ -91,6 +93,8 @@ class GradWatchCallback(TrainerCallback):
     # ------------------------------------------------------------ lifecycle
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
         self._detach()
+        # Every train() starts fresh (a reused callback carries nothing over).
+        self._alerts, self._stop, self._recorded_at, self._warned_after_clip = [], False, None, False
         trainer = _find_trainer(self)
         accelerator = getattr(trainer, "accelerator", None)
         scaler = getattr(accelerator, "scaler", None)
@@ -112,6 +116,8 @@ class GradWatchCallback(TrainerCallback):
         )
         if accelerator is not None and hasattr(accelerator, "clip_grad_norm_"):
             self._wrap_clip(accelerator)
+        if trainer is not None:
+            self._wrap_training_step(trainer)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._detach()
@@ -130,6 +136,23 @@ class GradWatchCallback(TrainerCallback):
         clip_grad_norm_.__gradwatch__ = True  # type: ignore[attr-defined]
         accelerator.clip_grad_norm_ = clip_grad_norm_
         self._accelerator = accelerator
+
+    def _wrap_training_step(self, trainer: Any) -> None:
+        """The Trainer has no callback event for an exception: a step that raises (forward, loss,
+        backward) detaches here, so that no hook or wrapper is left on the model."""
+        original = trainer.training_step
+        callback = self
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            except BaseException:
+                callback._detach()
+                raise
+
+        training_step.__gradwatch__ = True  # type: ignore[attr-defined]
+        trainer.training_step = training_step
+        self._trainer = trainer
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = state.global_step + 1
@@ -164,20 +187,43 @@ class GradWatchCallback(TrainerCallback):
 
     # --------------------------------------------------------------- helpers
     def _outputs(self, args: Any, state: Any, trainer: Any) -> tuple[Any, Optional[str]]:
-        """(the Trainer's TensorBoard writer, or a folder of our own); only the main process writes."""
+        """(the Trainer's TensorBoard writer, or a folder of our own); only the main process writes.
+
+        With ``report_to`` including tensorboard, gradwatch writes through the Trainer's own
+        ``TensorBoardCallback`` writer, whichever callback runs first: through a proxy that finds
+        the callback's writer when gradwatch writes (the callback creates it in its own
+        ``on_train_begin``), and gradwatch's last flush runs before that callback closes its writer
+        (its ``on_train_end`` is wrapped), so that no second event file and no writer thread of
+        gradwatch's is left behind.
+        """
         if not getattr(state, "is_world_process_zero", True):
             return None, None
         if self.logdir is not None:
             return None, self.logdir
         for callback in getattr(getattr(trainer, "callback_handler", None), "callbacks", []):
-            if type(callback).__name__ == "TensorBoardCallback" and getattr(callback, "tb_writer", None) is not None:
-                return callback.tb_writer, None  # the Trainer's own event files: one run in TensorBoard
+            if type(callback).__name__ == "TensorBoardCallback" and hasattr(callback, "tb_writer"):
+                self._wrap_tensorboard_end(callback)
+                return _CallbackWriter(callback), None  # the Trainer's own event files: one run
         return None, os.path.join(args.output_dir, "gradwatch")
 
+    def _wrap_tensorboard_end(self, tb_callback: Any) -> None:
+        original = tb_callback.on_train_end
+        callback = self
+
+        def on_train_end(*args: Any, **kwargs: Any) -> Any:
+            callback._detach()  # the last flush, while the Trainer's writer is open
+            return original(*args, **kwargs)
+
+        on_train_end.__gradwatch__ = True  # type: ignore[attr-defined]
+        tb_callback.on_train_end = on_train_end
+        self._tb_callback = tb_callback
+
     def _detach(self) -> None:
-        accelerator, self._accelerator = self._accelerator, None
-        if accelerator is not None and getattr(accelerator.__dict__.get("clip_grad_norm_"), "__gradwatch__", False):
-            del accelerator.clip_grad_norm_  # the class's method again
+        for owner, name in ((self._accelerator, "clip_grad_norm_"), (self._trainer, "training_step"),
+                            (self._tb_callback, "on_train_end")):  # fmt: skip
+            if owner is not None and getattr(owner.__dict__.get(name), "__gradwatch__", False):
+                delattr(owner, name)  # the class's method again
+        self._accelerator = self._trainer = self._tb_callback = None
         if self.monitor is None:
             return
         monitor, self.monitor = self.monitor, None
@@ -186,6 +232,21 @@ class GradWatchCallback(TrainerCallback):
         finally:
             self._alerts = monitor.alerts
             self._state = None
+
+
+class _CallbackWriter:
+    """The Trainer's TensorBoard writer, looked up when gradwatch writes: the TensorBoardCallback
+    creates it in its own ``on_train_begin``, which may run after gradwatch's."""
+
+    def __init__(self, callback: Any) -> None:
+        self._callback = callback
+        self.log_dir = getattr(callback, "logging_dir", None)
+
+    def __getattr__(self, name: str) -> Any:
+        writer = self._callback.tb_writer
+        if writer is None:  # an AttributeError, so that getattr(writer, name, default) works
+            raise AttributeError(f"the Trainer's TensorBoard writer is closed or not created yet (wanted {name!r})")
+        return getattr(writer, name)
 
 
 def _find_trainer(callback: object) -> Any:

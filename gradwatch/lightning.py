@@ -78,43 +78,72 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
         self.exclude = exclude
         self.logdir = logdir
         self.histograms = histograms
-        self.monitor: Optional[GradMonitor] = None
-        self._pending_state: Optional[dict[str, Any]] = None
+        self.monitors: list[GradMonitor] = []  # one per optimizer, during fit
+        self._optimizers: list[Any] = []
+        self._restore: Optional[dict[str, Any]] = None  # from a checkpoint, for the next fit only
+        self._final_state: Optional[dict[str, Any]] = None  # the last fit's, for state_dict() after it
         self._alerts: list[Alert] = []
+        self._own_writer: Any = None  # with several optimizers and no logger: their shared writer
+
+    @property
+    def monitor(self) -> Optional[GradMonitor]:
+        """The monitor of the (first) optimizer during fit; None outside fit."""
+        return self.monitors[0] if self.monitors else None
 
     # ------------------------------------------------------------ lifecycle
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._detach()
+        # A new fit starts fresh: nothing of an earlier fit is carried over, only what a
+        # checkpoint restored (load_state_dict) since.
+        self._alerts, self._final_state = [], None
         writer, logdir, metric_loggers = self._outputs(trainer)
-        optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        monitor = GradMonitor(
-            pl_module,
-            writer=writer,
-            logdir=logdir,
-            flush_every=self.flush_every,
-            config=self.config,
-            include=self._include_for(trainer, pl_module),
-            exclude=self.exclude,
-            scaler=getattr(trainer.precision_plugin, "scaler", None),
-            histograms=self.histograms,
-            sync_dist=trainer.world_size > 1,
-            optimizer=optimizer,
-            detail=self.detail,
-        )
-        for logger in metric_loggers:
-            monitor.add_metrics_callback(logger.log_metrics)
-        if self._pending_state is not None:
-            monitor.load_state_dict(self._pending_state)
-            self._pending_state = None
-        self.monitor = monitor
+        optimizers = list(trainer.optimizers or [None])
+        layer_sets = self._layers_per_optimizer(pl_module, optimizers)
+        if logdir is not None and len(optimizers) > 1:  # one writer of our own for every monitor
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = self._own_writer = SummaryWriter(log_dir=logdir, max_queue=1000, flush_secs=30)
+            logdir = None
+        monitors = []
+        for optimizer, include in zip(optimizers, layer_sets):
+            if not include and len(optimizers) > 1:
+                continue  # an optimizer of no monitored layer
+            monitor = GradMonitor(
+                pl_module,
+                writer=writer,
+                logdir=logdir,
+                flush_every=self.flush_every,
+                config=self.config,
+                include=include,
+                exclude=self.exclude if include is self.include else None,
+                scaler=getattr(trainer.precision_plugin, "scaler", None),
+                histograms=self.histograms,
+                sync_dist=trainer.world_size > 1,
+                optimizer=optimizer,
+                detail=self.detail,
+            )
+            for logger in metric_loggers:
+                monitor.add_metrics_callback(logger.log_metrics)
+            monitors.append(monitor)
+            self._optimizers.append(optimizer)
+        if len(monitors) > 1:
+            everyone = [name for monitor in monitors for name in monitor.layers]
+            order = {name: i for i, name in enumerate(_module_order(pl_module))}
+            everyone.sort(key=lambda name: order.get(name, len(order)))
+            for k, monitor in enumerate(monitors):
+                monitor._share_dashboard(everyone, writes_layout=k == 0)
+        self.monitors = monitors
+        restore, self._restore = self._restore, None
+        if restore:
+            self._load(restore)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         self._detach()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # Other ranks may not reach a collective now: flush this rank's data without one.
-        if self.monitor is not None:
-            self.monitor.sync_dist = False
+        for monitor in self.monitors:
+            monitor.sync_dist = False
         self._detach()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -125,17 +154,17 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
     # hooks already ignore; switching the recorder off also covers user code
     # that enables grad in validation_step.
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.monitor is not None:
-            self.monitor.pause()
+        for monitor in self.monitors:
+            monitor.pause()
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.monitor is not None:
-            self.monitor.resume()
+        for monitor in self.monitors:
+            monitor.resume()
 
     # ---------------------------------------------------------------- record
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        monitor = self.monitor
-        if monitor is None or (trainer.optimizers and optimizer is not trainer.optimizers[0]):
+        monitor = self._monitor_of(optimizer)
+        if monitor is None:
             return
         try:
             monitor.step(trainer.global_step, grads_scaled=_grads_still_scaled(trainer, optimizer))
@@ -143,35 +172,67 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
             log.error("gradwatch: stopping training: %s", exc)
             trainer.should_stop = True
 
+    def _monitor_of(self, optimizer: Any) -> Optional[GradMonitor]:
+        """The monitor of the layers ``optimizer`` updates (each is recorded at its own optimizer's steps)."""
+        for opt, monitor in zip(self._optimizers, self.monitors):
+            if opt is optimizer or opt is None:
+                return monitor
+            # Lightning hands callbacks its LightningOptimizer wrapper, or the optimizer itself
+            if getattr(optimizer, "optimizer", None) is opt:
+                return monitor
+        return None
+
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        if self.monitor is not None:
-            return self.monitor.state_dict()
-        return dict(self._pending_state or {})
+        if self.monitors:
+            return self._state_of(self.monitors)
+        if self._final_state is not None:
+            return dict(self._final_state)
+        return dict(self._restore or {})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
-        if self.monitor is not None:
-            self.monitor.load_state_dict(state_dict)
+        if self.monitors:
+            self._load(state_dict)
         else:
-            self._pending_state = dict(state_dict)
+            self._restore = dict(state_dict)
+
+    @staticmethod
+    def _state_of(monitors: list[GradMonitor]) -> dict[str, Any]:
+        if len(monitors) == 1:
+            return monitors[0].state_dict()
+        return {"per_optimizer": [monitor.state_dict() for monitor in monitors]}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        states = state.get("per_optimizer", [state])
+        for monitor, saved in zip(self.monitors, states):
+            monitor.load_state_dict(saved)
 
     @property
     def alerts(self) -> list[Alert]:
-        """Every alert raised during fit (kept after detaching)."""
-        return list(self.monitor.alerts) if self.monitor is not None else list(self._alerts)
+        """Every alert raised during the current (or, after it, the last) fit."""
+        if self.monitors:
+            return [alert for monitor in self.monitors for alert in monitor.alerts]
+        return list(self._alerts)
 
     # --------------------------------------------------------------- helpers
     def _detach(self) -> None:
-        if self.monitor is None:
+        monitors, self.monitors, self._optimizers = self.monitors, [], []
+        if not monitors:
             return
-        monitor, self.monitor = self.monitor, None
         try:
-            monitor.close()
+            for monitor in monitors:
+                try:
+                    monitor.close()
+                except GradientHealthError:
+                    pass
         finally:
-            self._alerts = monitor.alerts
-            self._pending_state = monitor.state_dict()
+            self._alerts = [alert for monitor in monitors for alert in monitor.alerts]
+            self._final_state = self._state_of(monitors)
+            writer, self._own_writer = self._own_writer, None
+            if writer is not None:
+                writer.close()
 
     def _outputs(self, trainer: Any) -> tuple[Any, Optional[str], list[Any]]:
         """(TensorBoard writer, own log folder, loggers fed through log_metrics), on rank 0.
@@ -193,26 +254,35 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
             return None, None, others
         return None, self.logdir or default_logdir(trainer.default_root_dir), []
 
-    def _include_for(self, trainer: Any, pl_module: Any) -> Any:
-        """With several optimizers, the layers of the first one (recorded at its steps); said at fit start."""
-        optimizers = list(trainer.optimizers or [])
+    def _layers_per_optimizer(self, pl_module: Any, optimizers: list[Any]) -> list[Any]:
+        """The ``include`` of each optimizer's monitor: with one optimizer, the callback's own;
+        with several, the names of the layers whose parameters each one updates."""
         if len(optimizers) <= 1:
-            return self.include
-        from .layers import discover_layers
-
-        first = {id(p) for group in optimizers[0].param_groups for p in group["params"]}
-        layers = discover_layers(pl_module, self.include, self.exclude)
-        mine = [layer.name for layer in layers if any(id(p) in first for p in layer.params)]
-        others = [layer.name for layer in layers if layer.name not in mine]
-        log.warning(
-            "gradwatch: this Trainer has %d optimizers; GradWatch records the layers the first one updates "
-            "(%s), at that optimizer's steps. Not monitored: %s. To watch another optimizer's layers, add a "
-            "GradWatch with include= those layers' names and its own logdir.",
-            len(optimizers), ", ".join(mine) or "none", ", ".join(others) or "none",
-        )  # fmt: skip
+            return [self.include]
         import glob as _glob
 
-        return [_glob.escape(name) for name in mine] or self.include
+        from .layers import discover_layers
+
+        layers = discover_layers(pl_module, self.include, self.exclude)
+        sets, claimed = [], set()
+        for optimizer in optimizers:
+            mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            names = [layer.name for layer in layers if layer.name not in claimed and any(id(p) in mine for p in layer.params)]
+            claimed.update(names)
+            sets.append([_glob.escape(name) for name in names])
+        unclaimed = [layer.name for layer in layers if layer.name not in claimed]
+        if unclaimed:
+            log.warning(
+                "gradwatch: no optimizer of this Trainer updates layers %s; they are not monitored",
+                ", ".join(unclaimed),
+            )
+        return sets
+
+
+def _module_order(module: Any) -> list[str]:
+    from .compiled import user_name
+
+    return [user_name(name) or "<root>" for name, _ in module.named_modules()]
 
 
 def default_logdir(root_dir: str) -> str:

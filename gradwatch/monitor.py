@@ -15,6 +15,7 @@ from .detectors import Assessment, HealthChecks, normalises_step
 from .compiled import unwrap
 from .hooks import HookSet
 from .layers import discover_layers
+from .param_stats import ModelMoved
 from .recorder import Recorder
 from .sinks.metrics import describe, window_metrics
 from .sinks.tensorboard import TensorBoardSink
@@ -74,6 +75,12 @@ class GradMonitor:
         self._layer_specs = discover_layers(model, include, exclude)
         self._names = [layer.name for layer in self._layer_specs]
         device = self._layer_specs[0].params[0].device
+        if device.type == "meta":
+            raise ValueError(
+                "the model's parameters are on the meta device (not materialised yet): create the monitor "
+                "after materialising the model (model.to_empty(device=...) and initialisation, or your "
+                "framework's deferred initialisation)"
+            )
         _check_window_size(flush_every, len(self._layer_specs), sum(len(s.params) for s in self._layer_specs))
 
         world = _dist_world_size()
@@ -138,6 +145,7 @@ class GradMonitor:
             self.add_metrics_callback(metrics_callback)
         self._window_steps: list[int] = []
         self._warned_hooks = False
+        self._moved = False  # the model moved to another device after attaching (ModelMoved)
         self._next_step = 0
         self._closed = False
         self.last_window: Window | None = None  # the most recent flushed window
@@ -184,7 +192,7 @@ class GradMonitor:
 
     def resume(self) -> None:
         """Record forward/backward calls again after :meth:`pause`."""
-        if not self._closed:
+        if not self._closed and not self._moved:
             self._recorder.active = True
 
     def add_alert_callback(self, callback: Callable[[Alert], None]) -> None:
@@ -221,6 +229,11 @@ class GradMonitor:
         step = self._next_step if global_step is None else global_step
         try:
             self._recorder.record_step(params_scaled=grads_scaled)
+        except ModelMoved as exc:  # said once; the row is marked failed, nothing more is recorded
+            if not self._moved:
+                self._moved = True
+                log.error("gradwatch: %s", exc)
+            self._recorder.active = False
         except Exception as exc:  # never break a healthy run; the row is marked failed
             self._recorder.hook_failed("step()", exc)
         self._window_steps.append(step)
@@ -237,6 +250,7 @@ class GradMonitor:
         recorder = self._recorder
         if recorder.slot == 0 and not recorder.update_steps:
             return []
+        self._check_parameters_current()
         steps = self._window_steps
         self._window_steps = []
         window = None
@@ -303,6 +317,32 @@ class GradMonitor:
             return None
         self._failures.succeeded("preparing a flush")
         return window
+
+    def _share_dashboard(self, layers: list[str], writes_layout: bool) -> None:
+        """One of several monitors of the same model on the same writer (one per optimizer): the
+        dashboard layout names ``layers``, and only one of them writes it."""
+        if self._sink is not None:
+            self._sink.share_layout(layers, writes_layout)
+
+    def _check_parameters_current(self) -> None:
+        """Once per flush: the layers still own the parameters gradwatch reads. A model whose
+        parameters were replaced after attaching (``load_state_dict(..., assign=True)``, a wrapper
+        that swaps them) would otherwise look like a model without gradients."""
+        if self._moved:
+            return
+        for layer in self._layer_specs:
+            current = {id(p) for p in layer.module.parameters(recurse=False)}
+            if any(id(p) not in current for p in layer.params):
+                self._moved = True
+                self._recorder.active = False
+                log.error(
+                    "gradwatch: the parameters of layer %s were replaced after gradwatch attached "
+                    "(load_state_dict(..., assign=True), a wrapper that swaps parameters, ...), so gradwatch no "
+                    "longer sees the model's gradients: create the monitor after the model is materialised and "
+                    "wrapped (or close() this monitor and create a new one). gradwatch stops recording",
+                    layer.name,
+                )
+                return
 
     def _check_hooks_ran(self, window: Window) -> None:
         """Warn once when the layers had gradients but gradwatch's forward hooks never ran: code

@@ -29,6 +29,7 @@ float64), so a finite gradient always gets a finite, exact norm.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import operator
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ import torch
 from .devices import host_to_device
 from .layers import LayerSpec
 from .sharding import is_dtensor, local_piece
+
+log = logging.getLogger("gradwatch")
 
 _INF = float("inf")
 _is_none = functools.partial(operator.is_, None)
@@ -124,8 +127,10 @@ class ForeachStats:
     def __init__(self, acc_dtype: torch.dtype) -> None:
         self.acc_dtype = acc_dtype  # float64 where the device has it (not MPS)
 
-    def reduce(self, grads: list[torch.Tensor], rows: StepRows, cpu: "_CpuSlots | None") -> None:
-        """Fill ``rows`` (this group's columns) for ``grads``; ``cpu``: result slots of the CPU path."""
+    def reduce(self, grads: list[torch.Tensor], rows: StepRows, cpu: "_CpuSlots | None", count: bool = False) -> None:
+        """Fill ``rows`` (this group's columns) for ``grads``; ``cpu``: result slots of the CPU path
+        (float32 and narrower gradients); ``count``: count non-finite elements even on a step that
+        does not (float64 gradients on the CPU path, whose counts are promised at every step)."""
         if cpu is not None:  # CPU: float32 norms, squared into the float64 row, checked on the host
             norms, _, _ = cpu.head(len(grads))
             # stack into float32 (a float64 out= costs ~6x as much), square into the row
@@ -137,7 +142,7 @@ class ForeachStats:
             return
         torch.stack(torch._foreach_norm(grads, 2, dtype=self.acc_dtype), out=rows.sq)
         rows.sq.square_()
-        if rows.count:
+        if rows.count or count:
             rows.nonfinite.copy_(nonfinite_counts(grads))
         if rows.max is not None:
             torch.stack(torch._foreach_norm(grads, _INF, dtype=self.acc_dtype), out=rows.max)
@@ -208,6 +213,19 @@ class _CpuSlots:
                 rows.sq[b] = norm.to(rows.sq.dtype).square()
 
 
+class ModelMoved(RuntimeError):
+    """The model's parameters moved to another device after the monitor attached."""
+
+    def __init__(self, was: torch.device, now: torch.device) -> None:
+        super().__init__(
+            f"the model's parameters moved from {was} to {now} after gradwatch attached, and its "
+            f"statistics live on {was}: create the monitor after moving the model (model.to(device), "
+            f"or materialising a model built on the meta device, first), or close() this monitor and "
+            f"create a new one. gradwatch stops recording"
+        )
+        self.was, self.now = was, now
+
+
 @dataclass
 class _Group:
     """Parameters reduced together: one strategy, one contiguous slice of columns."""
@@ -248,15 +266,30 @@ class ParamStats:
         self.param_layer = np.array([owner[j] for j in order], dtype=np.int64)
         self.numel = np.array([_global_numel(p) for p in self.params], dtype=np.int64)
         self.ndim = np.array([p.ndim for p in self.params], dtype=np.int64)
-        ordered_keys = [keys[j] for j in order]
-        self._groups = self._make_groups(ordered_keys)
+        self._plan([keys[j] for j in order])
+        self._weights: dict[tuple, torch.Tensor] = {}
+
+    def _plan(self, keys: list) -> None:
+        """Group the columns (in their fixed order) by key: contiguous runs of equal keys."""
+        self._keys = keys
+        self._groups = self._make_groups(keys)
         # Steps without max |g| (detail="standard", unsampled) need sums of squares only: one
         # foreach kernel per (device, dtype), large CPU tensors included (one op instead of a
         # view and a dot per tensor; foreach_norm reads a cold tensor about as fast).
-        self._light_groups = self._make_groups([None if k is None else (k[0], k[1], False) for k in ordered_keys])
+        self._light_groups = self._make_groups([None if k is None else (k[0], k[1], False) for k in keys])
         cpu_sizes = [g.cols.stop - g.cols.start for g in self._groups if g.key is not None and g.key[0].type == "cpu"]
         self._slots = _CpuSlots(max(cpu_sizes, default=0))
-        self._weights: dict[tuple, torch.Tensor] = {}
+
+    def _replan(self) -> None:
+        """The model was cast after attaching (``model.double()``, ``.half()``, ``.to(dtype)``):
+        group the tensors by their new dtypes. A device move cannot be followed: the buffer and
+        the taps' cells live on the device the model was on (:class:`ModelMoved`)."""
+        keys = [None if old is None else _group_key(p, self.cpu_fast) for p, old in zip(self.params, self._keys)]
+        for old, new, p in zip(self._keys, keys, self.params):
+            if old is not None and new[0] != old[0]:
+                raise ModelMoved(old[0], new[0])
+        log.info("gradwatch: the model's parameters changed dtype after attaching; statistics follow them")
+        self._plan(keys)
 
     def _make_groups(self, keys: list) -> list[_Group]:
         return [_Group(key, cols, self.params[cols]) for key, cols in _contiguous_groups(keys)]
@@ -286,6 +319,10 @@ class ParamStats:
         # working set from the caches, at ~10x its usual price: the common case is kept short.
         weights: list[tuple[int, float]] = []
         for group in self._groups if rows.max is not None else self._light_groups:
+            key = group.key
+            if key is not None and (group.params[0].dtype != key[1] or group.params[0].device != key[0]):
+                self._replan()  # cast after attaching: follow it (or, moved, say so)
+                return self._record(rows, present)
             grads = [p.grad for p in group.params]
             if group.key is not None and not any(map(_is_none, grads)):
                 present[group.cols] = 1
@@ -309,8 +346,11 @@ class ParamStats:
             self._apply_weights(rows, weights)
 
     def _reduce(self, key: tuple, grads: list[torch.Tensor], rows: StepRows) -> None:
-        device, _, large = key
+        device, dtype, large = key
         on_cpu = device.type == "cpu" and self.cpu_fast
+        if on_cpu and dtype == torch.float64:  # float32 slots cannot hold them: float64 norms, counted
+            self._foreach.reduce(grads, rows, None, count=True)
+            return
         slots = self._slots if on_cpu else None
         if on_cpu and len(grads) > len(self._slots.slots):
             self._slots = slots = _CpuSlots(len(grads))

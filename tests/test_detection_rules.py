@@ -147,6 +147,38 @@ def test_sgd_with_a_learning_rate_1000x_too_high_explodes_before_it_turns_nonfin
     assert exploding and min(a.step for a in exploding) <= first_nonfinite
 
 
+def _high_start(spike_at=None):
+    """Gradients 100x their settled level for the first 50 steps (a loss scaled by 100, as with a
+    large initial loss), then settled; optionally one 50x spike (a bad batch)."""
+
+    def hook(step, loss):
+        if step < 50:
+            return loss * 100.0
+        if step == spike_at:
+            return loss * 50.0
+        return loss
+
+    return hook
+
+
+def test_a_high_start_that_settles_raises_nothing():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    monitor = _run(model, steps=300, lr=1e-4, loss_hook=_high_start())
+    assert monitor.alerts == [], [a.message for a in monitor.alerts]
+
+
+def test_a_spike_after_a_high_start_is_judged_against_the_recent_level():
+    # The all-time peak (100x, the first window) must not hide a later 50x spike.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    monitor = _run(model, steps=300, lr=1e-4, loss_hook=_high_start(spike_at=280))
+    exploding = [a for a in monitor.alerts if a.kind == "exploding"]
+    assert exploding and {a.step for a in exploding} == {280}, [a.message for a in monitor.alerts]
+    assert all(a.step >= 280 for a in monitor.alerts)
+    assert any("recent level" in a.message for a in exploding)
+
+
 def test_smooth_growth_stays_silent():  # learning-rate warm-up: norms rise ~1.2x per step, never a jump
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))

@@ -15,6 +15,9 @@ from torch import nn
 from gradwatch import GradMonitor, HealthConfig
 from gradwatch.param_stats import CpuBlasStats, ForeachStats, StepRows, _CpuSlots
 
+from .conftest import read_scalars
+from .reference import own_grad_norm
+
 # Every test here runs on both parameter-statistics paths (see conftest.param_path).
 pytestmark = pytest.mark.usefixtures("param_path")
 
@@ -291,3 +294,86 @@ def test_strategies_are_named_per_tensor(param_path):
     assert kinds[torch.Size([256, 256])] == ("cpu-blas" if param_path == "cpu-path" else "foreach")
     assert kinds[torch.Size([2, 256])] == kinds[torch.Size([256])] == "foreach"
     assert stats.counts_every_step == (param_path == "cpu-path")
+
+
+def test_a_flush_that_fails_while_prepared_drops_its_whole_window(monkeypatch, caplog):
+    # A NaN in the forward pass at step 1, in a window whose flush fails while it is prepared:
+    # the window is dropped whole, and nothing of it (the NaN) shows up in the next window.
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    monitor = GradMonitor(model, flush_every=3)
+    recorder = monitor._recorder
+    prepare = recorder.prepare_flush
+    calls = [0]
+
+    def failing_once():
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("forced failure while preparing the flush")
+        prepare()
+
+    monkeypatch.setattr(recorder, "prepare_flush", failing_once)
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        for step in range(6):
+            x = torch.randn(5, 4)
+            if step == 1:
+                x[0, 0] = float("nan")
+            model(x).sum().backward()
+            monitor.step()
+            model.zero_grad(set_to_none=True)
+    assert any("preparing a flush" in r.getMessage() for r in caplog.records)
+    assert monitor.last_window.steps == [3, 4, 5]
+    assert not monitor.last_window.fwd_nonfinite.any() and not monitor.last_window.nonfinite.any()
+    assert monitor.alerts == []
+    monitor.close()
+
+
+# ------------------------------------------------------------- moved or cast after attaching
+@pytest.mark.parametrize("cast", ["double", "bfloat16"])
+def test_statistics_follow_a_cast_after_attaching(cast):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 200), nn.ReLU(), nn.Linear(200, 3))  # a large tensor too
+    monitor = GradMonitor(model, flush_every=3, detail="full")
+    getattr(model, cast)()
+    dtype = next(model.parameters()).dtype
+    expected = []
+    for _ in range(3):
+        model(torch.randn(8, 300, dtype=dtype)).float().square().sum().backward()
+        expected.append([own_grad_norm(model[i]) for i in (0, 2)])
+        monitor.step()
+        model.zero_grad()
+    w = monitor.last_window
+    assert np.isfinite(w.grad_norm).all() and np.isfinite(w.out_grad_norm).all()
+    assert w.grad_norm == pytest.approx(np.array(expected), rel=1e-3)
+    monitor.close()
+
+
+def test_parameters_replaced_after_attaching_are_one_clear_error_not_nan(caplog, tmp_path):
+    # Loading a checkpoint with assign=True replaces the parameters: gradwatch would read stale
+    # ones. One ERROR says what to do, and nothing (no NaN) is written from then on. (A move that
+    # keeps the parameters, model.to("cuda"), raises ModelMoved: tests/test_gpu.py.)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    monitor = GradMonitor(model, flush_every=2, logdir=str(tmp_path))
+    for _ in range(2):
+        model(torch.randn(3, 4)).sum().backward()
+        monitor.step()
+        model.zero_grad()
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        for _ in range(4):
+            model(torch.randn(3, 4)).sum().backward()
+            monitor.step()
+            model.zero_grad()
+        monitor.close()
+    errors = [r for r in caplog.records if "were replaced after gradwatch attached" in r.getMessage()]
+    assert len(errors) == 1 and errors[0].levelno == logging.ERROR
+    assert "create the monitor after the model is materialised" in errors[0].getMessage()
+    written = read_scalars(str(tmp_path))["gradwatch/grad_norm/0"]
+    assert sorted(written) == [0, 1] and all(np.isfinite(v) for v in written.values())
+
+
+def test_a_model_on_the_meta_device_is_refused_with_the_remedy():
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="meta device.*after materialising"):
+        GradMonitor(model)
+

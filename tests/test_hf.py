@@ -61,7 +61,7 @@ class _RawOutNorms(transformers.TrainerCallback):
         self.retained.clear()
 
 
-def _train(tmp_path, callbacks, max_grad_norm, accumulation=1, steps=6, report_to=(), **extra):
+def _train(tmp_path, callbacks, max_grad_norm, accumulation=1, steps=6, report_to=(), order=None, **extra):
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
                                      bos_token_id=0, eos_token_id=0)  # fmt: skip
@@ -73,6 +73,9 @@ def _train(tmp_path, callbacks, max_grad_norm, accumulation=1, steps=6, report_t
         **extra,
     )  # fmt: skip
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=callbacks)
+    if order is not None:  # reorder the Trainer's callbacks (by class name): the order they run in
+        handler = trainer.callback_handler
+        handler.callbacks.sort(key=lambda c: order.index(type(c).__name__) if type(c).__name__ in order else -1)
     trainer.train()
     return trainer, model
 
@@ -125,15 +128,63 @@ def test_gradient_accumulation_gives_one_record_per_optimizer_step(tmp_path):
         assert scalars["gradwatch/global/grad_norm"][step] == pytest.approx(value, rel=1e-4)
 
 
-def test_writes_into_the_trainers_tensorboard_run_when_it_reports_there(tmp_path):
+@pytest.mark.parametrize("gradwatch_first", [False, True], ids=["tensorboard-callback-first", "gradwatch-first"])
+def test_writes_into_the_trainers_tensorboard_run_one_file_no_thread_left(tmp_path, gradwatch_first):
+    import threading
+
     pytest.importorskip("tensorboard")
-    watch = GradWatchCallback(flush_every=3)
-    _train(tmp_path, [watch], max_grad_norm=1.0, report_to=["tensorboard"])
-    runs = {os.path.dirname(p) for p in glob.glob(str(tmp_path / "**" / "events.out.tfevents.*"), recursive=True)}
-    assert len(runs) == 1  # one folder: the Trainer's own TensorBoard run
-    scalars = read_scalars(runs.pop())
-    assert "gradwatch/grad_norm/transformer.wte" in scalars and "train/loss" in scalars
+    watch = GradWatchCallback(flush_every=4)
+    order = ["GradWatchCallback", "TensorBoardCallback"] if gradwatch_first else ["TensorBoardCallback", "GradWatchCallback"]
+    before = set(threading.enumerate())
+    _train(tmp_path, [watch], max_grad_norm=1.0, report_to=["tensorboard"], order=order)
+    files = glob.glob(str(tmp_path / "**" / "events.out.tfevents.*"), recursive=True)
+    assert len(files) == 1  # one event file: the Trainer's own TensorBoard run, gradwatch's scalars in it
+    scalars = read_scalars(os.path.dirname(files[0]))
+    assert sorted(scalars["gradwatch/grad_norm/transformer.wte"]) == list(range(1, 7))  # the last flush too
+    assert "train/loss" in scalars
     assert not os.path.exists(tmp_path / "gradwatch")
+    left = [t for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert left == [], left  # no writer thread left running after train()
+
+
+def test_a_callback_reused_for_another_train_starts_fresh(tmp_path):
+    from gradwatch import HealthConfig
+
+    config = HealthConfig(stop_on=frozenset({"exploding"}), exploding_abs_norm=1e-6)  # every step "explodes"
+    watch = GradWatchCallback(flush_every=2, config=config)
+    first, _ = _train(tmp_path / "a", [watch], max_grad_norm=1.0, steps=20)
+    assert first.state.global_step == 2 and watch.alerts
+    watch.config = HealthConfig()  # the same callback object, now without the stopping rule
+    watch.monitor = None
+    second, _ = _train(tmp_path / "b", [watch], max_grad_norm=1.0, steps=6)
+    assert second.state.global_step == 6  # not stopped by the first run's stop
+    assert watch.alerts == []  # nothing carried over
+
+
+def test_training_that_raises_leaves_no_hook_and_no_wrapper(tmp_path):
+    watch = GradWatchCallback(flush_every=2)
+    trainers = []
+
+    class FailAtTheFourthForward(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            from gradwatch.hf import _find_trainer
+
+            trainers.append(_find_trainer(watch))
+            calls = [0]
+
+            def fail(module, args):
+                calls[0] += 1
+                if calls[0] == 4:
+                    raise RuntimeError("boom")
+
+            model.transformer.h[0].register_forward_pre_hook(fail)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        _train(tmp_path, [FailAtTheFourthForward(), watch], max_grad_norm=1.0, steps=6)
+    trainer = trainers[0]
+    assert watch.monitor is None
+    assert all(not m._forward_hooks for m in trainer.model.modules())
+    assert "clip_grad_norm_" not in trainer.accelerator.__dict__ and "training_step" not in trainer.__dict__
 
 
 def test_stop_on_stops_training_through_the_control():

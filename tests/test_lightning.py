@@ -298,3 +298,15 @@ def test_fit_of_a_compiled_module_records_every_statistic(tmp_path):
     assert sorted(scalars["gradwatch/dead_fraction/net.0"]) == [2, 5]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # it really ran compiled code
     torch._dynamo.reset()
+
+
+def test_a_callback_reused_for_another_fit_starts_fresh(tmp_path):
+    watch = GradWatch(flush_every=5)
+    _trainer(tmp_path / "a", [watch], max_steps=30, limit_val_batches=0).fit(Regressor(dead_first_layer=True))
+    assert any(a.kind == "dead_units" and a.layer == "net.0" for a in watch.alerts)
+    after_first = watch.state_dict()
+    assert after_first["next_step"] == 30  # state_dict() after fit: what a checkpoint would hold
+    healthy = Regressor()
+    _trainer(tmp_path / "b", [watch], max_steps=30, limit_val_batches=0).fit(healthy)
+    assert watch.alerts == []  # nothing of the dead first model's history or alerts
+    assert sorted(read_scalars(str(tmp_path / "b" / "run"))["gradwatch/grad_norm/net.0"]) == list(range(30))

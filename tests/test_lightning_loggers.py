@@ -147,40 +147,52 @@ def test_wandb_logger_offline_keeps_values_of_past_steps(tmp_path, monkeypatch):
     _check(series, reference)
 
 
-def test_several_optimizers_record_the_first_ones_layers_and_say_so(tmp_path, caplog):
-    import logging
+class _PerOptimizerNorms(L.Callback):
+    """Each optimizer's own layers' grad norms at each of its steps, from p.grad (independent)."""
 
-    class TwoOptimizers(Regressor):
-        def __init__(self):
-            super().__init__()
-            self.automatic_optimization = False
+    def __init__(self) -> None:
+        self.norms: dict[str, dict[int, float]] = {}
 
-        def training_step(self, idx, batch_idx):
-            first, second = self.optimizers()
-            x, y = self.batch(idx)
-            loss = torch.nn.functional.mse_loss(self.net(x), y)
-            self.manual_backward(loss)
-            first.step()
-            second.step()
-            first.zero_grad()
-            second.zero_grad()
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for name, module in pl_module.named_modules():
+            params = [p for p in module.parameters(recurse=False) if id(p) in mine]
+            if params:
+                flat = torch.cat([p.grad.reshape(-1).double() for p in params])
+                self.norms.setdefault(name, {})[trainer.global_step] = float(torch.linalg.vector_norm(flat))
 
-        def configure_optimizers(self):
-            return [torch.optim.SGD(self.net[0].parameters(), lr=0.01),
-                    torch.optim.SGD(list(self.net[2].parameters()) + list(self.net[4].parameters()), lr=0.01)]  # fmt: skip
 
-    watch = GradWatch(flush_every=5)
+def test_several_optimizers_each_layer_at_its_own_optimizers_steps(tmp_path):
+    from .lightning_app.model import TinyGAN
+
+    reference = _PerOptimizerNorms()
+    watch = GradWatch(flush_every=4)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=6, logger=TensorBoardLogger(str(tmp_path), name="tb", version=0),
-        callbacks=[watch], enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        limit_val_batches=0,
+        accelerator="cpu", devices=1, max_steps=16, logger=TensorBoardLogger(str(tmp_path), name="tb", version=0),
+        callbacks=[reference, watch], enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, limit_val_batches=0,
     )  # fmt: skip
-    with caplog.at_level(logging.WARNING, logger="gradwatch"):
-        trainer.fit(TwoOptimizers())
-    said = [r.getMessage() for r in caplog.records if "optimizers" in r.getMessage()]
-    assert said and "net.0" in said[0] and "Not monitored: net.2, net.4" in said[0]
+    trainer.fit(TinyGAN())
     scalars = read_scalars(str(tmp_path / "tb"))
-    assert "gradwatch/grad_norm/net.0" in scalars and "gradwatch/grad_norm/net.2" not in scalars
+    layers = ["generator.0", "generator.2", "discriminator.0", "discriminator.2"]
+    g_steps, d_steps = sorted(reference.norms["generator.0"]), sorted(reference.norms["discriminator.0"])
+    assert len(g_steps) == len(d_steps) == 8 and not set(g_steps) & set(d_steps)  # interleaved steps
+    for name in layers:
+        written = scalars[f"gradwatch/grad_norm/{name}"]
+        assert sorted(written) == sorted(reference.norms[name])  # at its own optimizer's steps only
+        for step, value in written.items():
+            assert value == pytest.approx(reference.norms[name][step], rel=1e-4), (name, step)
+        assert f"gradwatch/update_ratio/{name}" in scalars  # each optimizer's own update ratio
+        assert f"gradwatch/out_grad_norm/{name}" in scalars
+    from gradwatch.sinks.tensorboard import LAYERS_TAG, parse_layers_markdown
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"tensors": 0})
+    events.Reload()
+    tag = f"{LAYERS_TAG}/text_summary"
+    texts = [parse_layers_markdown(t.tensor_proto.string_val[0].decode()) for t in events.Tensors(tag)]
+    assert texts == [layers]  # one dashboard layout naming every optimizer's layers, written once
+    assert watch.monitors == [] and all(not m._forward_hooks for m in trainer.lightning_module.modules())
 
 
 def test_no_logger_writes_beside_lightning_logs_never_into_a_package_folder(tmp_path, monkeypatch):

@@ -125,6 +125,10 @@ class TensorBoardSink:
         self.log_dir = os.path.abspath(str(log_dir)) if log_dir else None
         self.layout_dir: str | None = None  # the folder the layout and layer list were written to
         self.heatmap = heatmap
+        #: The layers the dashboard layout and layer list name (None: the window's own). Several
+        #: monitors sharing one writer (one per optimizer) share one layout: the first names every
+        #: layer, the others write none (``share_layout``).
+        self.layout_layers: list[str] | None = None
         self._last_heatmap = time.monotonic()
         self._heatmap_cost: float | None = None  # seconds the last drawing took; None: draw now
         self._undrawn: Window | None = None  # the newest window not drawn yet
@@ -135,8 +139,9 @@ class TensorBoardSink:
         described = w.steps + w.update_steps
         first, last = min(described), max(described)
         if not self.layout_written:
-            self.writer.add_custom_scalars(custom_scalars_layout(w.layers))
-            self.writer.add_text(LAYERS_TAG, layers_markdown(w.layers), first)
+            layers = self.layout_layers or w.layers
+            self.writer.add_custom_scalars(custom_scalars_layout(layers))
+            self.writer.add_text(LAYERS_TAG, layers_markdown(layers), first)
             self.layout_dir = self.log_dir or ""
         for step, values in window_scalars(w, total_alerts, dashboard=True):
             self._add_scalars(values, step)
@@ -160,6 +165,13 @@ class TensorBoardSink:
             self._undrawn = w
         # No writer.flush() here: it would wait for the writer thread to put every event on
         # disk. Events reach disk at the writer's own pace (flush_secs) and at close().
+
+    def share_layout(self, layers: list[str], writes_it: bool) -> None:
+        """This sink is one of several on the same writer: the layout names ``layers`` (all of
+        theirs), written by one sink only."""
+        self.layout_layers = list(layers)
+        if not writes_it:
+            self.layout_dir = self.log_dir or ""
 
     @property
     def layout_written(self) -> bool:

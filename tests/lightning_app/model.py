@@ -87,3 +87,36 @@ class RankSplitModel(L.LightningModule):
 
     def train_dataloader(self):
         return DataLoader(Indices(256), batch_size=8)
+
+
+class TinyGAN(L.LightningModule):
+    """A generator and a discriminator, each with its own optimizer (manual optimisation, as
+    Lightning's GAN example): two optimizer steps per batch, the generator's first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.discriminator = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+
+    def training_step(self, idx: torch.Tensor, batch_idx: int) -> None:
+        opt_g, opt_d = self.optimizers()
+        g = torch.Generator().manual_seed(int(idx[0]))
+        real = torch.randn(len(idx), 8, generator=g) * 0.5 + 1.0
+        z = torch.randn(len(idx), 4, generator=g)
+        ones, zeros = torch.ones(len(idx), 1), torch.zeros(len(idx), 1)
+        bce = nn.functional.binary_cross_entropy_with_logits
+        fake = self.generator(z)
+        opt_g.zero_grad()
+        self.manual_backward(bce(self.discriminator(fake), ones))
+        opt_g.step()
+        opt_d.zero_grad()
+        self.manual_backward(bce(self.discriminator(real), ones) + bce(self.discriminator(fake.detach()), zeros))
+        opt_d.step()
+
+    def configure_optimizers(self):
+        return [torch.optim.Adam(self.generator.parameters(), lr=1e-3),
+                torch.optim.Adam(self.discriminator.parameters(), lr=1e-3)]  # fmt: skip
+
+    def train_dataloader(self):
+        return DataLoader(Indices(256), batch_size=8)
