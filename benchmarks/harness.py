@@ -33,8 +33,9 @@ class Result:
 
 
 def measure(workload, contender_types, rounds: int, warmup: int, device: torch.device,
-            sync: Callable[[], None] | None = None) -> list[Result]:  # fmt: skip
-    """Time ``rounds`` steps of each contender, interleaved A B C / B C A / ..., on identical model copies."""
+            sync: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter) -> list[Result]:  # fmt: skip
+    """Time ``rounds`` steps of each contender, interleaved A B C / B C A / ..., on identical model copies
+    (``clock``: the timer, replaceable by a test)."""
     torch.manual_seed(0)
     base = workload.make_model().to(device)
     contenders = [cls(copy.deepcopy(base), workload, device) for cls in contender_types]
@@ -51,11 +52,11 @@ def measure(workload, contender_types, rounds: int, warmup: int, device: torch.d
             for c in order:
                 if sync:
                     sync()
-                t0 = time.perf_counter()
+                t0 = clock()
                 c.step()
                 if sync:
                     sync()
-                results[c.name].times.append(time.perf_counter() - t0)
+                results[c.name].times.append(clock() - t0)
     finally:
         gc.enable()
     for c in contenders:

@@ -132,7 +132,7 @@ class AlertTracker:
         self._log(onsets, "")
         self._log(reminders, " (still present)")
         self._log_recoveries(recovered, step)
-        for alert in new:
+        for alert in new if self._log_alerts else ():  # on the writing rank only, as metrics callbacks
             for callback in list(self.callbacks):
                 try:
                     callback(alert)

@@ -124,8 +124,14 @@ class StatBuffer:
         for name, values in self.host.items():
             self._views[name].copy_(torch.from_numpy(values).to(self.dtype), non_blocking=False)
 
-    def all_reduce(self, group: object = None) -> None:
-        """Combine the states across ranks: one collective per reduction kind present."""
+    def all_reduce(self, group: object = None, vote: str | None = None) -> None:
+        """Combine the states across ranks: one collective per reduction kind present.
+
+        ``vote``: a max-reduced state. A collective that raises on this rank is retried once
+        with the vote set (the other ranks are waiting in that same collective), so every rank
+        learns from the reduced vote that a rank failed, and decides the same thing next; a
+        second failure raises.
+        """
         import torch.distributed as dist
 
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -135,7 +141,13 @@ class StatBuffer:
                 continue
             start = min(s.offset for s in members)
             stop = max(s.offset + s.numel for s in members)
-            dist.all_reduce(self._storage[start:stop], op=op, group=group)
+            try:
+                dist.all_reduce(self._storage[start:stop], op=op, group=group)
+            except Exception:
+                if vote is None:
+                    raise
+                self._views[vote].fill_(1)
+                dist.all_reduce(self._storage[start:stop], op=op, group=group)
 
     def to_host(self) -> dict[str, np.ndarray]:
         """Every state as a float64 numpy array, in one device-to-host transfer (this synchronises)."""

@@ -227,6 +227,8 @@ class OutputTap:
         # The sum is non-finite exactly when the output holds a NaN or Inf (or overflows float32,
         # as alarming); in float32 at least, so that half-precision sums do not overflow. Grad
         # mode off rather than detach(): one op fewer per call, and no autograd node.
+        if out.device != self.forward_sum.device:
+            return  # a replica on another device (nn.DataParallel): its cells are not there
         dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
         sampling = self.plan.sampling
         _set_grad_enabled(False)

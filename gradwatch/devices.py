@@ -1,4 +1,5 @@
-"""Host-to-device helpers that never synchronise the host with an accelerator."""
+"""Host-to-device helpers that never synchronise the host with an accelerator, and the one op
+whose signature depends on the torch release."""
 
 from __future__ import annotations
 
@@ -23,3 +24,24 @@ def host_to_device(values: np.ndarray, device: torch.device, dtype: torch.dtype 
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def _foreach_norm_takes_dtype() -> bool:
+    try:
+        schemas = torch._C._jit_get_schemas_for_operator("aten::_foreach_norm")
+    except Exception:  # pragma: no cover - a build without the JIT registry
+        return False
+    return any("dtype" in str(schema) for schema in schemas)
+
+
+#: Whether ``torch._foreach_norm`` takes ``dtype=`` (torch 2.4 added it; the operator's schema is
+#: checked, not the version). Without it each tensor's norm is taken with
+#: ``torch.linalg.vector_norm(..., dtype=)`` instead: the same values, one op per tensor.
+FOREACH_NORM_DTYPE = _foreach_norm_takes_dtype()
+
+
+def foreach_norm(tensors: list[torch.Tensor], ord: float, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Per-tensor norms accumulated and returned in ``dtype``, on any torch gradwatch supports."""
+    if FOREACH_NORM_DTYPE:
+        return torch._foreach_norm(tensors, ord, dtype=dtype)  # type: ignore[return-value]
+    return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]

@@ -25,6 +25,8 @@ OUT_GRAD = "out_grad"
 FWD_SUM = "fwd_sum"  # [F, L] running sum of the outputs over the window: non-finite from the step an output was
 FWD_ORDER = "fwd_order"  # [F, L] the forward clock at the layer's first call (0: not recorded)
 STEP_FAILED = "step_failed"  # host [F] ranks on which recording this step failed
+#: host [1] max: some rank's collective failed at this flush; every rank turns reduction off after it
+SYNC_VOTE = "sync_vote"
 # Window states.
 UNIT_ACC = "unit_acc"  # [U] per unit: zero exactly for dead units
 # Update-to-weight ratio (with an optimizer): one row per measured optimizer step, at most
@@ -70,6 +72,7 @@ class Layout:
         buffer.add_state(FWD_SUM, (F, n), "sum")
         buffer.add_state(FWD_ORDER, (F, n), "max")
         buffer.add_state(STEP_FAILED, (F,), "sum", host=True)
+        buffer.add_state(SYNC_VOTE, (1,), "max", host=True)
         buffer.add_state(UNIT_ACC, (int(self.unit_count.sum()),), "sum")
         self.track_updates = track_updates
         if track_updates:

@@ -15,6 +15,7 @@ from .detectors import Assessment, HealthChecks, normalises_step
 from .compiled import unwrap
 from .hooks import HookSet
 from .layers import discover_layers
+from .layout import SYNC_VOTE
 from .param_stats import ModelMoved
 from .recorder import Recorder
 from .sinks.metrics import describe, window_metrics
@@ -72,7 +73,8 @@ class GradMonitor:
         self.histograms = bool(histograms)
         self._scaler = scaler
         model = unwrap(model)  # torch.compile(model): hooks and names on the model the user wrote
-        self._layer_specs = discover_layers(model, include, exclude)
+        self._layer_specs = discover_layers(model, include, exclude)  # a TypeError for a non-module
+        _warn_about_wrappers(model)
         self._names = [layer.name for layer in self._layer_specs]
         device = self._layer_specs[0].params[0].device
         if device.type == "meta":
@@ -196,7 +198,9 @@ class GradMonitor:
             self._recorder.active = True
 
     def add_alert_callback(self, callback: Callable[[Alert], None]) -> None:
-        """Call ``callback(alert)`` for every new alert (after it is logged)."""
+        """Call ``callback(alert)`` for every new alert (after it is logged), on the writing rank
+        only (rank 0, like metrics callbacks: one page, not one per process). Every rank still
+        computes the same alerts, so ``stop_on`` stops every rank together."""
         if not callable(callback):
             raise TypeError(f"callback must be callable, got {callback!r}")
         self._tracker.callbacks.append(callback)
@@ -300,10 +304,12 @@ class GradMonitor:
                 recorder.buffer.load_host_states()
             except Exception:
                 pass
+        synced = False
         if self._sync_dist:
             try:
-                recorder.buffer.all_reduce()
-            except Exception as exc:
+                recorder.buffer.all_reduce(vote=SYNC_VOTE)
+                synced = True
+            except Exception as exc:  # failed twice on this rank: nothing better than going local
                 self._sync_dist = False
                 self._failures.failed(
                     "the cross-process reduction", exc, "each rank now reports its own statistics"
@@ -315,6 +321,14 @@ class GradMonitor:
         except Exception as exc:
             self._failures.failed("reading the statistics", exc, "this window is dropped")
             return None
+        if synced and recorder.last_vote:
+            # Some rank's collective failed (and was retried): every rank saw the same vote in the
+            # reduced buffer, so every rank turns reduction off after this same flush.
+            self._sync_dist = False
+            log.warning(
+                "gradwatch: a cross-process reduction failed on some rank; from now on every rank reports "
+                "its own statistics (only rank 0 writes)"
+            )
         self._failures.succeeded("preparing a flush")
         return window
 
@@ -506,6 +520,25 @@ def check_settings(flush_every: Any, config: Any, detail: Any) -> HealthConfig:
             f"statistic at every step), got {detail!r}"
         )
     return config if config is not None else HealthConfig()
+
+
+def _warn_about_wrappers(model: nn.Module) -> None:
+    """One WARNING at attach for the wrappers whose statistics gradwatch cannot make whole."""
+    names = {type(m).__name__ for m in model.modules()}
+    if any(isinstance(m, nn.DataParallel) for m in model.modules()):
+        log.warning(
+            "gradwatch: nn.DataParallel runs copies of the model on each GPU; parameter-gradient statistics "
+            "(grad_norm, grad_max, nonfinite, update_ratio) are of the summed gradients and exact, but "
+            "out_grad_norm, dead units and the forward non-finite check cover the copy on the first GPU only "
+            "(its share of the batch). Use DistributedDataParallel for all of them."
+        )
+    if "FullyShardedDataParallel" in names:
+        log.warning(
+            "gradwatch: FSDP1 (FullyShardedDataParallel) flattens each wrapped unit's parameters into one sharded "
+            "FlatParameter: the 'layers' gradwatch finds are those flat shards, and their statistics are of "
+            "each rank's shard, not of the model's layers. Use FSDP2 (torch.distributed.fsdp.fully_shard), whose "
+            "DTensor parameters gradwatch reduces to the full layers."
+        )
 
 
 def _send(callback: Callable[[dict[str, float], int], None], metrics: list[tuple[int, dict[str, float]]]) -> None:

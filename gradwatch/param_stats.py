@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .devices import host_to_device
+from .devices import foreach_norm, host_to_device
 from .layers import LayerSpec
 from .sharding import is_dtensor, local_piece
 
@@ -134,18 +134,18 @@ class ForeachStats:
         if cpu is not None:  # CPU: float32 norms, squared into the float64 row, checked on the host
             norms, _, _ = cpu.head(len(grads))
             # stack into float32 (a float64 out= costs ~6x as much), square into the row
-            torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32), out=norms)
+            torch.stack(foreach_norm(grads, 2, torch.float32), out=norms)
             torch.square(norms, out=rows.sq)
             cpu.fix(grads, rows)
             if rows.max is not None:
                 rows.max.copy_(_cpu_abs_max(grads))
             return
-        torch.stack(torch._foreach_norm(grads, 2, dtype=self.acc_dtype), out=rows.sq)
+        torch.stack(foreach_norm(grads, 2, self.acc_dtype), out=rows.sq)
         rows.sq.square_()
         if rows.count or count:
             rows.nonfinite.copy_(nonfinite_counts(grads))
         if rows.max is not None:
-            torch.stack(torch._foreach_norm(grads, _INF, dtype=self.acc_dtype), out=rows.max)
+            torch.stack(foreach_norm(grads, _INF, self.acc_dtype), out=rows.max)
 
 
 def _cpu_abs_max(grads: list[torch.Tensor]) -> torch.Tensor:

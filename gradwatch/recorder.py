@@ -20,8 +20,8 @@ from .decode import build_window
 from .devices import host_to_device, index_tensor
 from .layers import LayerSpec
 from .layout import (
-    FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, STEP_FAILED, UNIT_ACC,
-    UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout,
+    FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, STEP_FAILED, SYNC_VOTE,
+    UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout,
 )  # fmt: skip
 from .param_stats import ParamStats, StepRows
 from .window import Window
@@ -59,6 +59,7 @@ class Recorder:
         self.cells.set_unit_sums(not project_units)
         self.plan = self.cells.plan
         self.slot = 0
+        self.last_vote = False  # the reduced sync vote of the last snapshot
         self.update_steps: list[int] = []  # the optimizer step each update row describes
         self._update_weights: torch.Tensor | None = None  # per-column weights when sharded
         self._failures: set[str] = set()
@@ -157,12 +158,15 @@ class Recorder:
         for cells in self.cells.devices:
             cells.reset_window()
 
-    def write_update(
-        self, step: int, columns: np.ndarray, index: torch.Tensor, update_sq: torch.Tensor, weight_sq: torch.Tensor
-    ) -> None:
-        """Record one measured optimizer step's squared norms for ``columns`` (``index``: the same on the device)."""
+    def write_update(self, step: int, columns: np.ndarray | None, index: torch.Tensor | None,
+                     update_sq: torch.Tensor | None, weight_sq: torch.Tensor | None) -> None:  # fmt: skip
+        """Record one measured optimizer step's squared norms for ``columns`` (``index``: the same on
+        the device); ``columns`` None: the measurement failed on this rank, the row exists empty."""
         row = len(self.update_steps)
         if row > self.flush_every:  # no flush since: measurements beyond a window's capacity are dropped
+            return
+        if columns is None or index is None or update_sq is None or weight_sq is None:
+            self.update_steps.append(step)
             return
         dtype = self._dtype
         update, weight = update_sq.to(dtype), weight_sq.to(dtype)
@@ -189,6 +193,7 @@ class Recorder:
     def snapshot(self, steps: list[int], dead_eps: float, scaler_in_use: bool) -> Window:
         """The window on the host, decoded from the (reduced) buffer: one device-to-host copy."""
         host = self.buffer.to_host()
+        self.last_vote = bool(host[SYNC_VOTE][0] > 0)  # a rank's collective failed at this flush
         return build_window(host, steps, self.layout, self.update_steps, dead_eps, scaler_in_use)
 
     def reset_window(self) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .devices import index_tensor
+from .devices import foreach_norm, index_tensor
 from .sharding import is_dtensor
 
 log = logging.getLogger("gradwatch")
@@ -43,7 +43,7 @@ class UpdateRatio:
         params: list[torch.Tensor],
         param_layer: np.ndarray,
         flush_every: int,
-        write: Callable[[np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor], None],
+        write: Callable[[np.ndarray | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None], None],
         on_error: Callable[[str, BaseException], None],
         acc_dtype: torch.dtype,
     ) -> None:
@@ -99,13 +99,14 @@ class UpdateRatio:
         self.optimizer_steps += 1
         self._before = None
         chunk = self.chunk_at(step)
-        if chunk is None or self._params is None:
+        self._chunk = chunk if self._params is not None else None  # scheduled: a row on every rank
+        if self._chunk is None:
             return
         try:
             with torch.no_grad():
                 current = self._local(self.chunks[chunk])
                 before = torch._foreach_mul(current, 1.0)  # a transient copy of one chunk (x * 1 is exact)
-                self._before_sq = torch.stack(torch._foreach_norm(before, 2, dtype=self._acc)).square_()
+                self._before_sq = torch.stack(foreach_norm(before, 2, self._acc)).square_()
                 self._before, self._chunk = before, chunk
         except Exception as exc:
             self._before = None
@@ -113,20 +114,24 @@ class UpdateRatio:
 
     def _post(self) -> None:
         before, chunk = self._before, self._chunk
-        self._before = None  # the copy lives from one pre-hook to its post-hook, no longer
-        if before is None or chunk is None or self._params is None:
+        self._before, self._chunk = None, None  # the copy lives from one pre-hook to its post-hook, no longer
+        if chunk is None or self._params is None:
+            return
+        if before is None:  # the measurement failed on this rank: its row still exists, empty, as on
+            self._write(None, None, None, None)  # the others (rows are the same on every rank)
             return
         try:
             with torch.no_grad():
                 columns = self.chunks[chunk]
                 torch._foreach_sub_(before, self._local(columns))  # w_before - w_after, in place
-                update_sq = torch.stack(torch._foreach_norm(before, 2, dtype=self._acc)).square_()
+                update_sq = torch.stack(foreach_norm(before, 2, self._acc)).square_()
                 index = self._index.get(chunk)
                 if index is None:
                     index = self._index[chunk] = index_tensor(columns, update_sq.device)
                 self._write(np.asarray(columns), index, update_sq, self._before_sq)  # type: ignore[arg-type]
         except Exception as exc:
             self._on_error("update_ratio (after the optimizer step)", exc)
+            self._write(None, None, None, None)  # an empty row, as on the ranks where it worked
         finally:
             self._before_sq = None
 

@@ -78,6 +78,18 @@ def body(rank: int, world: int) -> dict:
             return record(rows, present)
 
         monitor._recorder.param_stats.record = failing
+    if mode == "collective" and rank == 1:  # the first collective of the first flush raises here, once
+        import torch.distributed as dist
+
+        all_reduce, calls = dist.all_reduce, [0]
+
+        def failing_collective(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 1:
+                raise RuntimeError("forced collective failure on rank 1")
+            return all_reduce(*args, **kwargs)
+
+        dist.all_reduce = failing_collective
     retained: dict[str, list[torch.Tensor]] = {name: [] for name in LAYERS}
 
     def keep(name):
@@ -123,6 +135,10 @@ def body(rank: int, world: int) -> dict:
             alive = {name: None for name in LAYERS}
     sync = monitor.sync_dist
     monitor.close()
+    if mode == "collective":
+        import torch.distributed as dist
+
+        dist.barrier()  # both ranks got here: nobody waited forever
     return {"steps": steps, "windows": windows, "sync_dist": sync, "warnings": warnings}
 
 

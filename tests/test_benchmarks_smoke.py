@@ -13,15 +13,39 @@ _TINY = W.mlp(depth=2, width=16, batch=8)
 _CPU = torch.device("cpu")
 
 
-def test_every_contender_steps_and_is_reported():
+class _Ticks:
+    """A clock that reads 0, 1, 2, ... : a timed step lasts exactly one tick whatever the machine."""
+
+    def __init__(self) -> None:
+        self.now = -1.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_every_contender_steps_is_timed_in_rotated_rounds_and_reported():
     kinds = C.standard() + [B.WithoutParamStats, B.WithoutOutputGradReductions]
     synced = []  # gpu_check.py passes torch.cuda.synchronize here
-    results = measure(_TINY, kinds, rounds=2, warmup=1, device=_CPU, sync=lambda: synced.append(1))
-    assert len(synced) == 2 * 2 * len(kinds)  # before and after every timed step
+    stepped: list[str] = []
+    for kind in kinds:  # record the order in which contenders step
+        original = kind.step
+        kind.step = lambda self, original=original: (stepped.append(self.name), original(self))[1]
+    try:
+        results = measure(_TINY, kinds, rounds=2, warmup=1, device=_CPU, sync=lambda: synced.append(1),
+                          clock=_Ticks())  # fmt: skip
+    finally:
+        for kind in kinds:
+            del kind.step
+    n = len(kinds)
+    assert len(synced) == 2 * 2 * n  # before and after every timed step
     assert [r.name for r in results] == [k.name for k in kinds]
-    assert all(len(r.times) == 2 and min(r.times) > 0 for r in results)
+    assert all(r.times == [1.0, 1.0] for r in results)  # each timed step spans exactly its two clock reads
+    names = [k.name for k in kinds]
+    timed = stepped[n:]  # after one warm-up step each
+    assert timed == names + names[1:] + names[:1]  # round 2 rotated by one
     table = format_table(_TINY.name, results)
-    assert all(r.name in table for r in results)
+    assert all(r.name in table for r in results) and "1.000 [1.000, 1.000]" in table
 
 
 def _stepped(kind):
@@ -59,9 +83,9 @@ def test_benchmark_no_sync_check_counts_the_same_as_an_unmonitored_loop():
 
 
 def test_in_context_costs_reports_each_call():
-    costs = B.in_context_costs(_TINY, steps=6)
+    costs = B.in_context_costs(_TINY, steps=6, clock=_Ticks())
     assert set(costs) == {"empty hook body", "out.register_hook", "out.sum()"}
-    assert all(v > 0 for v in costs.values())
+    assert all(v == 1e6 for v in costs.values())  # one tick per call, in microseconds
 
 
 def test_detection_benchmark_scores_a_pathology_and_a_healthy_run():

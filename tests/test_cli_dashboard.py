@@ -183,7 +183,9 @@ def test_the_window_of_an_alert_always_gets_its_heatmap(tmp_path):
 
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     with GradMonitor(model, logdir=str(tmp_path), flush_every=5) as monitor:
-        for step in range(60):  # microsecond steps: the 1% budget leaves most windows undrawn
+        clock = _fake_heatmap_clock(monitor._sink)
+        for step in range(60):  # 0.1 ms steps, 10 ms drawings: the 1% budget leaves most windows undrawn
+            clock.advance(1e-4)
             out = model(torch.randn(4, 4))
             if step == 37:
                 out = out * float("nan")
@@ -196,7 +198,9 @@ def test_the_window_of_an_alert_always_gets_its_heatmap(tmp_path):
     at_alerts = [image.step for image in events.Images("gradwatch/gradient_flow_at_alerts")]
     budgeted = [image.step for image in events.Images("gradwatch/gradient_flow")]
     assert at_alerts == [39]
-    assert len(budgeted) < 11 and budgeted[-1] == 59  # budgeted, last window always drawn
+    # budgeted: the first window, the second (the first drawing is not a measure of the cost), then
+    # nothing until a drawing is 1% of the time since the last one, and the last window at close()
+    assert budgeted == [4, 9, 59]
 
 
 def test_two_demos_into_one_folder_are_two_runs(tmp_path, capsys):
@@ -336,7 +340,33 @@ def test_heatmap_redraws_only_pixels_and_matches_a_full_draw():
     assert reused.full_draws == 3
 
 
-def _heatmap_steps(tmp_path, budget, steps=7):
+class _FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _fake_heatmap_clock(sink, drawing_seconds: float = 1e-2) -> _FakeClock:
+    """Give the sink a clock the test moves: each step advances it, each drawing takes ``drawing_seconds``."""
+    clock = _FakeClock()
+    sink.clock = clock
+    sink._last_heatmap = clock()
+    draw = sink._add_heatmap
+
+    def timed_draw(*args, **kwargs):
+        clock.advance(drawing_seconds)
+        return draw(*args, **kwargs)
+
+    sink._add_heatmap = timed_draw
+    return clock
+
+
+def _heatmap_steps(tmp_path, budget, steps=7, step_seconds=1e-4):
     import torch
     from tensorboard.backend.event_processing.event_accumulator import IMAGES, EventAccumulator
 
@@ -346,7 +376,9 @@ def _heatmap_steps(tmp_path, budget, steps=7):
     with GradMonitor(model, logdir=str(tmp_path), flush_every=2) as monitor:
         if budget is not None:
             monitor._sink.heatmap_budget = budget
+        clock = _fake_heatmap_clock(monitor._sink)
         for _ in range(steps):  # full windows of 2 steps, the last one partial, flushed by close()
+            clock.advance(step_seconds)  # a drawing takes 10 ms on this clock
             model(torch.randn(2, 3)).sum().backward()
             monitor.step()
             model.zero_grad()
@@ -364,7 +396,18 @@ def test_heatmap_written_at_every_flush_within_its_budget(tmp_path):
 
 def test_heatmap_of_tiny_steps_is_spaced_out_by_its_cost_but_first_and_last_drawn(tmp_path):
     pytest.importorskip("matplotlib")
-    # Steps of microseconds: a ~10 ms drawing at every flush would dwarf training.
-    steps = _heatmap_steps(tmp_path, budget=None, steps=41)
-    assert steps[0] == 1 and steps[-1] == 40
-    assert len(steps) < 10  # of 21 windows
+    # Steps of 0.1 ms: a 10 ms drawing at every flush would dwarf training. Of 21 windows: the
+    # first, the second (the first drawing is not a measure of the cost) and the last.
+    assert _heatmap_steps(tmp_path, budget=None, steps=41) == [1, 3, 40]
+
+
+def test_heatmap_budget_draws_again_once_a_drawing_is_one_percent_of_the_time():
+    pytest.importorskip("matplotlib")
+    import tempfile
+
+    # 10 ms steps, 10 ms drawings, windows of 2 steps: a drawing is due when 1 s has passed since
+    # the last one ended, i.e. about every 50th window after the second (the drawings' own time
+    # shifts the third to window 51 after it).
+    with tempfile.TemporaryDirectory() as tmp:
+        steps = _heatmap_steps(tmp, budget=None, steps=260, step_seconds=1e-2)
+    assert steps == [1, 3, 103, 205, 259]

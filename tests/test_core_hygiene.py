@@ -193,3 +193,16 @@ def test_dropping_an_unclosed_monitor_removes_its_hooks():
     gc.collect()
     assert ref() is None  # the hooks on the model do not keep the monitor alive
     assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_data_parallel_is_one_warning_that_says_what_is_not_recorded(caplog):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        monitor = GradMonitor(nn.DataParallel(model), flush_every=2)  # no GPU: runs the module itself
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+            monitor.step()
+    said = [r.getMessage() for r in caplog.records if "DataParallel" in r.getMessage()]
+    assert len(said) == 1 and "first GPU only" in said[0] and "DistributedDataParallel" in said[0]
+    assert monitor.layers == ["module.0", "module.2"]
+    monitor.close()

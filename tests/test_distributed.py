@@ -63,6 +63,19 @@ def test_a_failure_on_one_rank_leaves_no_rank_waiting(tmp_path):
     assert sum("forced failure" in m for m in ranks[1]["warnings"]) == 1
 
 
+def test_a_collective_failing_on_one_rank_turns_reduction_off_on_every_rank_together(tmp_path):
+    # rank 1's first collective raises: it retries with its vote set, rank 0 (waiting in that
+    # collective) gets the vote, and both turn reduction off after the same flush.
+    ranks = spawn("tests.conditional_worker", 2, str(tmp_path / "out"), "collective")
+    for r in ranks:
+        assert r["sync_dist"] is False
+        assert sum("reduction failed on some rank" in m for m in r["warnings"]) == 1, r["warnings"]
+    # the first window was still reduced (the retry went through): the same numbers on both ranks
+    assert ranks[0]["windows"][0]["out_grad_norm"] == ranks[1]["windows"][0]["out_grad_norm"]
+    # later windows are each rank's own: rank 0's gate sees its own 4 dead units of 8
+    assert ranks[0]["windows"][1]["dead_fraction"]["gate"] == 0.5
+
+
 @needs_fully_shard
 def test_fsdp2_grad_norm_is_the_norm_of_the_full_unsharded_gradient(tmp_path):
     for rank, result in enumerate(spawn("tests.fsdp_worker", 2, str(tmp_path / "out"), "flat")):

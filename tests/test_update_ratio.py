@@ -162,3 +162,34 @@ def test_a_measurement_after_a_windows_last_step_is_written_with_its_own_step(tm
         opt.zero_grad()
     monitor.close()
     assert sorted(read_scalars(str(tmp_path))["gradwatch/update_ratio/0"]) == [0, 1, 2]
+
+
+def test_a_measurement_that_fails_keeps_its_row_empty_so_rows_are_the_same_on_every_rank(monkeypatch, caplog):
+    # The rows of a window are those the schedule names, on every rank: a rank whose chunk copy
+    # failed keeps the row, empty, so a cross-process sum never mixes different steps' rows.
+    import gradwatch.updates as updates
+
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    monitor = GradMonitor(model, flush_every=4, optimizer=opt)
+    mul, calls = torch._foreach_mul, [0]
+
+    def failing_once(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:  # the copy before the second measured step
+            raise RuntimeError("forced copy failure")
+        return mul(*args, **kwargs)
+
+    monkeypatch.setattr(updates.torch, "_foreach_mul", failing_once)
+    for _ in range(4):
+        x = torch.randn(8, 16)
+        nn.functional.mse_loss(model(x), torch.tanh(x[:, :4])).backward()
+        monitor.step()
+        opt.step()
+        opt.zero_grad()
+    monitor.flush()
+    w = monitor.last_window
+    assert w.update_steps == [0, 1]  # both scheduled rows
+    assert all(math.isfinite(v) for v in w.update_ratio[0]) and all(math.isnan(v) for v in w.update_ratio[1])
+    monitor.close()

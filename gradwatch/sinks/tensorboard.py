@@ -129,7 +129,8 @@ class TensorBoardSink:
         #: monitors sharing one writer (one per optimizer) share one layout: the first names every
         #: layer, the others write none (``share_layout``).
         self.layout_layers: list[str] | None = None
-        self._last_heatmap = time.monotonic()
+        self.clock = time.monotonic  # the heatmap budget's clock (tests give it a known one)
+        self._last_heatmap = self.clock()
         self._heatmap_cost: float | None = None  # seconds the last drawing took; None: draw now
         self._undrawn: Window | None = None  # the newest window not drawn yet
         self._heatmap: GradientFlowHeatmap | None = None
@@ -149,14 +150,14 @@ class TensorBoardSink:
             self.writer.add_text(ALERTS_TAG, alerts_markdown(alerts, (first, last)), last)
         if not w.steps:
             return
-        now = time.monotonic()
+        now = self.clock()
         cost = self._heatmap_cost
         due = cost is None or cost <= self.heatmap_budget * (now - self._last_heatmap)
         # A window that raised an alert is always drawn, whatever the budget: it is the one that matters.
         if self.heatmap and (final or alerts or due):
             first = self._heatmap is None
             self._add_heatmap(w, [a.step for a in alerts])
-            self._last_heatmap = time.monotonic()
+            self._last_heatmap = self.clock()
             # The first drawing also imports matplotlib and lays the figure out: not a
             # measure of what the next one costs.
             self._heatmap_cost = None if first else self._last_heatmap - now
