@@ -51,7 +51,7 @@ class Outcome:
     detected: bool = False
     layer_named: str | None = None
     layer_ok: bool | None = None
-    latency: int | None = None  # steps from the fault to the flush that returned the alert
+    latency: int | None = None  # steps from the fault to the step() that returned the alert
     alerts: list[str] = field(default_factory=list)
 
 

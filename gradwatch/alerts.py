@@ -132,12 +132,35 @@ class AlertTracker:
         self._log(onsets, "")
         self._log(reminders, " (still present)")
         self._log_recoveries(recovered, step)
+        self._call_back(new)
+        return new
+
+    def _call_back(self, new: list[Alert]) -> None:
         for alert in new if self._log_alerts else ():  # on the writing rank only, as metrics callbacks
             for callback in list(self.callbacks):
                 try:
                     callback(alert)
                 except Exception as exc:
                     log.warning("gradwatch: alert callback %r failed: %s", callback, exc)
+
+    def raise_onsets(self, findings: list[Finding]) -> list[Alert]:
+        """Findings judged between flushes (at a step): new conditions become alerts now, logged
+        and passed to the callbacks; conditions already active stay as they are (reminders and
+        recoveries are counted at flushes, by :meth:`update`)."""
+        new: list[Alert] = []
+        onsets: list[Finding] = []
+        for f in findings:
+            key = _key(f)
+            if key in self.active:
+                continue
+            alert = Alert(f.kind, f.layer, int(f.step), float(f.value), float(f.threshold), format_message(f))
+            self.alerts.append(alert)
+            new.append(alert)
+            onsets.append(f)
+            self.active[key] = [0, 0]
+            self.onsets[key] = self.onsets.get(key, 0) + 1
+        self._log(onsets, "")
+        self._call_back(new)
         return new
 
     def flushes_to_recover(self, key: tuple[str, str]) -> int:

@@ -8,6 +8,7 @@ from .layout import (
     FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, STEP_FAILED, UNIT_ACC,
     UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout,
 )  # fmt: skip
+from .readback import forward_order
 from .window import Window
 
 
@@ -132,8 +133,6 @@ def forward_orders(first_calls: np.ndarray, sampled: np.ndarray) -> list[tuple[l
     current: list[int] = []
     for t in range(first_calls.shape[0]):
         if sampled[t]:
-            row = first_calls[t]
-            ran = np.flatnonzero(row > 0)
-            current = [int(i) for i in ran[np.argsort(-row[ran], kind="stable")]]
+            current = forward_order(first_calls[t])
         orders.append((current, current[::-1]))
     return orders

@@ -62,6 +62,10 @@ class HealthChecks:
         self.config = config
         self.layers = layers
         n = len(layers)
+        #: The model-level exploding check runs at every step (judge_step) instead of at the flush.
+        self.model_per_step = False
+        self.model_steps = 0  # steps the per-step model check has seen (its warm-up)
+        self._model_exploded = False  # the per-step check found the model exploding since the last flush
         #: True when the optimizer normalises its step: then only the absolute vanishing floor applies.
         self.normalised_steps = normalised_steps
         # The last _LEVEL_STEPS and the last _RECENT_STEPS calm values per column, per layer and
@@ -115,6 +119,24 @@ class HealthChecks:
         self.steps_seen += n
         return result
 
+    def judge_step(self, step: int, s: Any, order: list[int], scaler_in_use: bool) -> list[Finding]:
+        """The per-step checks (``nonfinite``, model-level ``exploding``) on one step's summary
+        (``readback.StepSummary``), judged as soon as the step's values are on the host."""
+        findings: list[Finding] = []
+        if s.fwd_bad.any() or s.grad_bad.any():
+            if not (scaler_in_use and not s.fwd_bad.any()):  # else a GradScaler skip, said at the flush
+                findings.append(_nonfinite_finding(self.layers, step, s.fwd_bad, s.grad_bad, order, s.count))
+        if self.model_per_step and s.has_grad:
+            n = len(self.layers)
+            table = np.full((1, n + 1), np.nan)
+            table[0, n] = s.global_norm
+            finding = self._explosions(table, [step], self.model_steps, columns=[n])
+            self.model_steps += 1
+            if finding:
+                self._model_exploded = True
+                findings += finding
+        return findings
+
     # --------------------------------------------------------------- checks
     def _nonfinite(self, w: Window, skipped: np.ndarray, result: Assessment) -> None:
         out_bad = w.out_seen & ~np.isfinite(w.out_grad_norm)
@@ -127,54 +149,27 @@ class HealthChecks:
                 continue
             if skipped[t] and not fwd_bad[t].any():
                 continue  # a GradScaler skip, reported as such
-            fwd_order, bwd_order = w.step_orders[t] if t < len(w.step_orders) else ([], [])
-            if not bwd_order:  # no output-gradient hooks that step: backward runs in reverse
-                bwd_order = list(reversed(fwd_order))
-            if fwd_bad[t].any():
-                origin = _first_in(fwd_order, fwd_bad[t])
-                detail = f"origin: first non-finite forward output, in layer {w.layers[origin]}"
-            else:
-                origin = _first_in(bwd_order, grad_bad[t], reverse_default=True)
-                detail = f"origin: first non-finite gradient in backward order, in layer {w.layers[origin]}"
-            # The value is the number of non-finite gradient elements that step, or,
-            # when only outputs/output gradients were non-finite, the layers affected.
+            fwd_order = w.step_orders[t][0] if t < len(w.step_orders) else []
             counted = w.nonfinite_counted is None or bool(w.nonfinite_counted[t])
             count = float(np.nansum(w.nonfinite[t])) if counted else 0.0
-            if count == 0:
-                count = float(np.sum(fwd_bad[t] | grad_bad[t]))
-            result.findings.append(Finding("nonfinite", w.layers[origin], w.steps[t], count, 0.0, detail))
+            result.findings.append(_nonfinite_finding(w.layers, w.steps[t], fwd_bad[t], grad_bad[t], fwd_order, count))
             return
         result.clear.update(("nonfinite", name) for name in self.layers + [""])
 
     def _exploding(self, w: Window, valid: np.ndarray, result: Assessment) -> None:
-        cfg = self.config
         norms = np.where(valid, w.grad_norm, np.nan)
         glob_valid = valid.any(axis=1) & np.isfinite(w.global_grad_norm)
         glob = np.where(glob_valid, w.global_grad_norm, np.nan)
         table = np.concatenate([norms, glob[:, None]], axis=1)  # [steps, layers + 1]
-        names = self.layers + [""]
-
-        ceiling, jump_ceiling = self._causal_ceilings(table)
-        over_rel, over_abs = self._exceeds(table, ceiling)
-        with np.errstate(invalid="ignore"):
-            over_jump = table >= jump_ceiling
-        over = over_rel | over_abs | over_jump
-        findings = []
-        for j in np.flatnonzero(over.any(axis=0)):
-            t = int(np.argmax(over[:, j]))
-            value = float(table[t, j])
-            if over_abs[t, j]:
-                threshold, why = cfg.exploding_abs_norm, "above the absolute ceiling"
-            elif over_jump[t, j]:
-                threshold = float(jump_ceiling[t, j])
-                why = f"{value / (threshold / cfg.exploding_jump):.3g}x its previous step's norm"
-            else:
-                threshold = float(ceiling[t, j])
-                base = threshold / cfg.exploding_factor
-                why = f"{value / base:.3g}x its recent level {base:.4g}"
-            findings.append(Finding("exploding", names[j], w.steps[t], value, threshold, why))
-        calm_columns = ~over.any(axis=0) & np.isfinite(table).any(axis=0)
-        result.clear.update(("exploding", names[j]) for j in np.flatnonzero(calm_columns))
+        n = len(self.layers)
+        columns = list(range(n)) if self.model_per_step else list(range(n + 1))
+        findings = self._explosions(table, w.steps, self.steps_seen, columns, result)
+        if self.model_per_step:  # the model was judged at every step: its onset is already raised
+            if self._model_exploded:
+                findings.append(Finding("exploding", "", w.steps[-1], float("nan"), 0.0, "judged at its step"))
+            elif np.isfinite(glob).any():
+                result.clear.add(("exploding", ""))
+            self._model_exploded = False
 
         # When the whole model explodes, one alert for the model, not one per layer.
         layer_hits = [f for f in findings if f.layer]
@@ -183,6 +178,37 @@ class HealthChecks:
             model_hit[0].detail += f"; {len(layer_hits)} of {len(self.layers)} layers exceed their ceilings"
             findings = model_hit
         result.findings += findings
+
+    def _explosions(self, table: np.ndarray, steps: list[int], steps_seen: int, columns: list[int],
+                    result: Assessment | None = None) -> list[Finding]:  # fmt: skip
+        """Exploding findings of ``table``'s ``columns`` (the first exploded step of each), the
+        rings of those columns moved on; ``result`` gets the clearly calm ones."""
+        cfg = self.config
+        names = self.layers + [""]
+        sub = table[:, columns]
+        ceiling, jump_ceiling = self._causal_ceilings(sub, steps_seen, columns)
+        over_rel, over_abs = self._exceeds(sub, ceiling)
+        with np.errstate(invalid="ignore"):
+            over_jump = sub >= jump_ceiling
+        over = over_rel | over_abs | over_jump
+        findings = []
+        for k in np.flatnonzero(over.any(axis=0)):
+            t = int(np.argmax(over[:, k]))
+            value = float(sub[t, k])
+            if over_abs[t, k]:
+                threshold, why = cfg.exploding_abs_norm, "above the absolute ceiling"
+            elif over_jump[t, k]:
+                threshold = float(jump_ceiling[t, k])
+                why = f"{value / (threshold / cfg.exploding_jump):.3g}x its previous step's norm"
+            else:
+                threshold = float(ceiling[t, k])
+                base = threshold / cfg.exploding_factor
+                why = f"{value / base:.3g}x its recent level {base:.4g}"
+            findings.append(Finding("exploding", names[columns[k]], steps[t], value, threshold, why))
+        if result is not None:
+            calm = ~over.any(axis=0) & np.isfinite(sub).any(axis=0)
+            result.clear.update(("exploding", names[columns[k]]) for k in np.flatnonzero(calm))
+        return findings
 
     def _vanishing(self, w: Window, valid: np.ndarray, result: Assessment) -> list[Finding]:
         """Vanishing on a layer's last steps (a rolling median, whatever flush_every is).
@@ -343,7 +369,7 @@ class HealthChecks:
         result.clear.update(("update_ratio", self.layers[i]) for i in np.flatnonzero(calm & measured_any))
 
     # ------------------------------------------------------------ baselines
-    def _causal_ceilings(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _causal_ceilings(self, table: np.ndarray, steps_seen: int, columns: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Per step and column: the relative ceiling and the jump ceiling.
 
         Relative (after the warm-up): factor x the column's recent level, the larger of the
@@ -362,30 +388,35 @@ class HealthChecks:
         n, m = table.shape
         ceilings = np.full((n, m), np.inf)
         jumps = np.full((n, m), np.inf)
-        recent, slot = self.recent, self.recent_slot
-        level, level_slot = self.level, self.level_slot
-        columns = np.arange(m)
+        cols = np.asarray(columns)
+        # The rings of these columns, moved on in place at the end.
+        recent, slot = self.recent[:, cols], self.recent_slot[cols]
+        level, level_slot = self.level[:, cols], self.level_slot[cols]
+        last_calm = self.last_calm[cols]
+        columns_ = np.arange(m)
         for t in range(n):
-            if self.steps_seen + t >= cfg.exploding_warmup_steps:
+            if steps_seen + t >= cfg.exploding_warmup_steps:
                 with warnings.catch_warnings():  # columns without a calm value yet
                     warnings.simplefilter("ignore", RuntimeWarning)
                     settled = np.nanmedian(level, axis=0)
                 reference = np.fmax(settled, np.fmax.reduce(recent, axis=0))  # fmax skips NaN
                 known = reference > 0
                 ceilings[t, known] = cfg.exploding_factor * reference[known]
-            previous = self.last_calm
-            has_previous = np.isfinite(previous) & (previous > 0)
-            jumps[t, has_previous] = cfg.exploding_jump * previous[has_previous]
+            has_previous = np.isfinite(last_calm) & (last_calm > 0)
+            jumps[t, has_previous] = cfg.exploding_jump * last_calm[has_previous]
             row = table[t]
             over_rel, over_abs = self._exceeds(row, ceilings[t])
             with np.errstate(invalid="ignore"):
                 over_jump = row >= jumps[t]
             calm = np.isfinite(row) & ~over_rel & ~over_abs & ~over_jump
-            recent[slot[calm], columns[calm]] = row[calm]
+            recent[slot[calm], columns_[calm]] = row[calm]
             slot[calm] = (slot[calm] + 1) % _RECENT_STEPS
-            level[level_slot[calm], columns[calm]] = row[calm]
+            level[level_slot[calm], columns_[calm]] = row[calm]
             level_slot[calm] = (level_slot[calm] + 1) % _LEVEL_STEPS
-            self.last_calm[calm] = row[calm]
+            last_calm[calm] = row[calm]
+        self.recent[:, cols], self.recent_slot[cols] = recent, slot
+        self.level[:, cols], self.level_slot[cols] = level, level_slot
+        self.last_calm[cols] = last_calm
         return ceilings, jumps
 
     def _exceeds(self, values: np.ndarray, ceiling: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -409,6 +440,7 @@ class HealthChecks:
             "ratio_history": column_lists(self.ratio_history),
             "history_slot": int(self.history_slot),
             "steps_seen": self.steps_seen,
+            "model_steps": self.model_steps,
             "skipped_steps": self.skipped_steps,
             "update_streak": dict(zip(self.layers, (int(s) for s in self.update_streak))),
         }
@@ -426,6 +458,7 @@ class HealthChecks:
         self.ratio_history = _columns(state.get("ratio_history", []), state["layers"], self.layers, _VANISHING_STEPS)
         self.history_slot = int(state.get("history_slot", 0))
         self.steps_seen = int(state["steps_seen"])
+        self.model_steps = int(state.get("model_steps", self.steps_seen))
         self.skipped_steps = int(state.get("skipped_steps", 0))
         streaks = state.get("update_streak", {})
         self.update_streak = np.array([int(streaks.get(n, 0)) for n in self.layers], dtype=np.int64)
@@ -477,6 +510,22 @@ def _describe(names: list[str]) -> str:
         return f"layers {names[0]} and {names[1]}"
     shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
     return f"{len(names)} layers ({shown})"
+
+
+def _nonfinite_finding(layers: list[str], step: int, fwd_bad: np.ndarray, grad_bad: np.ndarray, fwd_order: list[int],
+                       count: float) -> Finding:  # fmt: skip
+    """The one nonfinite finding of a step: its origin is the first layer in forward order whose
+    output was non-finite, else the first in backward order (the forward order reversed) whose
+    gradient was. The value: non-finite gradient elements counted, else the layers affected."""
+    if fwd_bad.any():
+        origin = _first_in(fwd_order, fwd_bad)
+        detail = f"origin: first non-finite forward output, in layer {layers[origin]}"
+    else:
+        origin = _first_in(list(reversed(fwd_order)), grad_bad, reverse_default=True)
+        detail = f"origin: first non-finite gradient in backward order, in layer {layers[origin]}"
+    if count == 0:
+        count = float(np.sum(fwd_bad | grad_bad))
+    return Finding("nonfinite", layers[origin], step, count, 0.0, detail)
 
 
 def _first_in(order: list[int], mask: np.ndarray, reverse_default: bool = False) -> int:

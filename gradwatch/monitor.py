@@ -6,6 +6,7 @@ import logging
 import weakref
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -16,6 +17,7 @@ from .compiled import unwrap
 from .hooks import HookSet
 from .layers import discover_layers
 from .layout import SYNC_VOTE
+from .readback import StepReadback, forward_order, summarize
 from .param_stats import ModelMoved
 from .recorder import Recorder
 from .sinks.metrics import describe, window_metrics
@@ -133,6 +135,15 @@ class GradMonitor:
         if normalised is None:
             normalised = optimizer is not None and normalises_step(optimizer)
         self._checks = HealthChecks(config, self._names, normalised_steps=normalised)
+        # nonfinite and the model-level exploding check at every step, from a read-back that never
+        # waits for the device. Not for sharded parameters: each rank's values are partial until
+        # the flush's reduction, and a per-step decision (stop_on) must be the same on every rank.
+        self._readback = StepReadback(self._recorder.layout, host_path=self._recorder.param_stats.counts_every_step)
+        self._per_step = self._readback.available and not self._recorder.param_stats.sharded
+        self._checks.model_per_step = self._per_step
+        self._previous_forward: np.ndarray | None = None  # the last judged step's running forward sums
+        self._alerts_since_flush: list[Alert] = []  # raised by step() since the last flush, for its text
+        self._window_order: list[int] = []  # the window's latest forward order
         self._tracker = AlertTracker(
             config.remind_every, log_alerts=is_writer, recovery_flushes=config.recovery_flushes, layers=self._names
         )
@@ -242,9 +253,41 @@ class GradMonitor:
             self._recorder.hook_failed("step()", exc)
         self._window_steps.append(step)
         self._next_step = step + 1
+        new = self._judge_steps(self._recorder.slot - 1) if self._per_step else []
+        self._alerts_since_flush += new
         if self._recorder.slot >= self.flush_every:
-            return self.flush()
-        return []
+            try:
+                new = new + self.flush()
+            except GradientHealthError as exc:
+                exc.alerts[:0] = [a for a in new if a.kind in self.config.stop_on]
+                raise
+        stopping = [a for a in new if a.kind in self.config.stop_on]
+        if stopping:
+            raise GradientHealthError(stopping)
+        return new
+
+    def _judge_steps(self, slot: int | None, wait: bool = False) -> list[Alert]:
+        """Judge the steps whose values are on the host (``slot``: the step just recorded, whose
+        copy starts now): nonfinite and the model's exploding, as soon as each step is readable.
+        Returns the new alerts; stopping on them is the caller's (after any flush)."""
+        try:
+            if slot is not None:
+                self._readback.capture(slot)
+            findings = []
+            scaler = self._scaler is not None and self._scaler.is_enabled()
+            for values in self._readback.ready(wait=wait):
+                if values.order is not None:
+                    self._window_order = forward_order(values.order)
+                summary = summarize(values, self._recorder.layout, self._previous_forward)
+                self._previous_forward = values.forward
+                if values.failed or values.slot >= len(self._window_steps):
+                    continue
+                step = self._window_steps[values.slot]
+                findings += self._checks.judge_step(step, summary, self._window_order, scaler)
+            return self._tracker.raise_onsets(findings) if findings else []
+        except Exception as exc:  # never break a run
+            self._failures.failed("the per-step checks", exc)
+            return []
 
     def flush(self) -> list[Alert]:
         """Move buffered statistics to the host, write them, run the health checks."""
@@ -255,6 +298,13 @@ class GradMonitor:
         if recorder.slot == 0 and not recorder.update_steps:
             return []
         self._check_parameters_current()
+        early: list[Alert] = []
+        if self._per_step:  # the window's last steps (the flush waits for the device anyway)
+            try:
+                early = self._judge_steps(None, wait=True)
+            finally:
+                self._readback.clear()
+                self._previous_forward = None
         steps = self._window_steps
         self._window_steps = []
         window = None
@@ -267,11 +317,13 @@ class GradMonitor:
         self._open_own_writer()
         assessment = self._guarded("the health checks", lambda: self._checks.check(window), Assessment())
         last_step = max(steps + window.update_steps)
-        new = self._guarded("alert tracking", lambda: self._tracker.update(assessment, last_step), [])
+        new = early + self._guarded("alert tracking", lambda: self._tracker.update(assessment, last_step), [])
+        # The window's text and heatmap show every alert of its steps, those step() raised too.
+        of_window, self._alerts_since_flush = self._alerts_since_flush + new, []
         if self._sink is not None:
             self._guarded(
                 "writing to TensorBoard",
-                lambda: self._sink.write(window, new, len(self._tracker.alerts), final=final),  # type: ignore[union-attr]
+                lambda: self._sink.write(window, of_window, len(self._tracker.alerts), final=final),  # type: ignore[union-attr]
                 None,
             )
             if self.histograms and not final:

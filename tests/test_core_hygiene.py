@@ -37,20 +37,21 @@ class SyncCounter(TorchDispatchMode):
 
 @contextmanager
 def count_host_reads(monkeypatch):
-    """Dispatch-level sync counter plus counting wrappers on the Python-level escapes."""
+    """Dispatch-level sync counter plus counting wrappers on the Python-level escapes (patched
+    for the block only: other patches of the test stay)."""
     counter = SyncCounter()
-    for method in ("item", "tolist", "numpy", "cpu"):
-        original = getattr(torch.Tensor, method)
+    with pytest.MonkeyPatch.context() as patch:
+        for method in ("item", "tolist", "numpy", "cpu"):
+            original = getattr(torch.Tensor, method)
 
-        def wrapper(self, *a, _orig=original, _name=method, **k):
-            counter.count += 1
-            counter.ops.append(f"Tensor.{_name}")
-            return _orig(self, *a, **k)
+            def wrapper(self, *a, _orig=original, _name=method, **k):
+                counter.count += 1
+                counter.ops.append(f"Tensor.{_name}")
+                return _orig(self, *a, **k)
 
-        monkeypatch.setattr(torch.Tensor, method, wrapper)
-    with counter:
-        yield counter
-    monkeypatch.undo()
+            patch.setattr(torch.Tensor, method, wrapper)
+        with counter:
+            yield counter
 
 
 def _train(model, opt, monitor, steps, monkeypatch, micro_batches=2):
@@ -84,7 +85,9 @@ def test_counter_detects_a_sync(monkeypatch):
     assert c.count >= 1  # the probe is not vacuous
 
 
-def test_no_host_sync_between_flushes(monkeypatch):
+def test_no_host_sync_between_flushes(monkeypatch, param_path):
+    # Both parameter paths, and with them both read-backs of the per-step checks (host views of
+    # the CPU buffer; non-blocking copies into a staging ring, the accelerators' path).
     torch.manual_seed(0)
     model = _cnn()
     opt = torch.optim.Adam(model.parameters())
@@ -92,6 +95,7 @@ def test_no_host_sync_between_flushes(monkeypatch):
     monitor = GradMonitor(model, flush_every=5)
     _train(model, opt, monitor, 5, monkeypatch)  # warm up: first window, caches built, one flush
     monitored = _train(model, opt, monitor, 4, monkeypatch)  # steps 5..8: none of them flushes
+    assert monitor._readback.host_path == (param_path == "cpu-path") and monitor._per_step
     base_count = max(c for c, _ in baseline)
     for count, ops in monitored:
         assert count <= base_count, f"gradwatch read the device back between flushes: {ops}"

@@ -407,3 +407,65 @@ def test_wandb_example_runs_offline(tmp_path, monkeypatch):
     rows = _wandb_history(str(tmp_path / "wandb"))
     steps = sorted(row["train/step"] for row in rows if "gradwatch/grad_norm/0" in row)
     assert steps == list(range(60))  # every step kept, although they arrived after the fact
+
+
+# ----------------------------------------------------- judged at every step (lagged read-back)
+class _Poisonable(nn.Linear):
+    """A Linear whose own output gets ``poison`` added (NaN at the step the test chooses)."""
+
+    poison = 0.0
+
+    def forward(self, x):
+        return super().forward(x) + self.poison
+
+
+class _NaNAt(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(6, 16)
+        self.middle = _Poisonable(16, 16)
+        self.last = nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.last(torch.relu(self.middle(torch.relu(self.first(x)))))
+
+
+def test_a_nan_is_returned_by_the_next_step_at_the_latest_with_its_origin(param_path):
+    torch.manual_seed(0)
+    model = _NaNAt()
+    monitor = GradMonitor(model, flush_every=50)
+    returned = {}
+    for step in range(12):
+        model.middle.poison = float("nan") if step == 7 else 0.0
+        model(torch.randn(4, 6)).sum().backward()
+        for alert in monitor.step():
+            returned.setdefault(alert.kind, (step, alert))
+        model.zero_grad()
+    at, alert = returned["nonfinite"]
+    assert alert.step == 7 and at <= 8  # the step() of step 7 (CPU path) or of step 8, not the flush at 49
+    assert alert.layer == "middle" and "first non-finite forward output, in layer middle" in alert.message
+    assert len([a for a in monitor.alerts if a.kind == "nonfinite"]) == 1
+    monitor.close()
+
+
+def test_a_model_level_explosion_is_returned_at_its_step_and_stop_on_stops_before_the_update(param_path):
+    from gradwatch import GradientHealthError, HealthConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+    monitor = GradMonitor(model, flush_every=50, config=HealthConfig(stop_on=frozenset({"exploding"})))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    stopped_at = None
+    for step in range(40):
+        loss = model(torch.randn(8, 6)).square().mean()
+        (loss * (1e6 if step == 30 else 1.0)).backward()
+        try:
+            monitor.step()
+        except GradientHealthError as exc:
+            stopped_at = step
+            assert [(a.kind, a.layer, a.step) for a in exc.alerts] == [("exploding", "", 30)]
+            break
+        opt.step()
+        opt.zero_grad()
+    assert stopped_at in (30, 31)  # judged at its own step() on the CPU path, at the next one at the latest
+    monitor.close()

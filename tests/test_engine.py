@@ -298,7 +298,8 @@ def test_strategies_are_named_per_tensor(param_path):
 
 def test_a_flush_that_fails_while_prepared_drops_its_whole_window(monkeypatch, caplog):
     # A NaN in the forward pass at step 1, in a window whose flush fails while it is prepared:
-    # the window is dropped whole, and nothing of it (the NaN) shows up in the next window.
+    # the per-step check reports it at its step; the window is dropped whole, and nothing of it
+    # (the NaN) shows up in the next window.
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     monitor = GradMonitor(model, flush_every=3)
     recorder = monitor._recorder
@@ -323,7 +324,7 @@ def test_a_flush_that_fails_while_prepared_drops_its_whole_window(monkeypatch, c
     assert any("preparing a flush" in r.getMessage() for r in caplog.records)
     assert monitor.last_window.steps == [3, 4, 5]
     assert not monitor.last_window.fwd_nonfinite.any() and not monitor.last_window.nonfinite.any()
-    assert monitor.alerts == []
+    assert [(a.kind, a.step, a.layer) for a in monitor.alerts] == [("nonfinite", 1, "0")]
     monitor.close()
 
 

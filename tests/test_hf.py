@@ -153,7 +153,7 @@ def test_a_callback_reused_for_another_train_starts_fresh(tmp_path):
     config = HealthConfig(stop_on=frozenset({"exploding"}), exploding_abs_norm=1e-6)  # every step "explodes"
     watch = GradWatchCallback(flush_every=2, config=config)
     first, _ = _train(tmp_path / "a", [watch], max_grad_norm=1.0, steps=20)
-    assert first.state.global_step == 2 and watch.alerts
+    assert first.state.global_step == 1 and watch.alerts
     watch.config = HealthConfig()  # the same callback object, now without the stopping rule
     watch.monitor = None
     second, _ = _train(tmp_path / "b", [watch], max_grad_norm=1.0, steps=6)
@@ -196,7 +196,7 @@ def test_stop_on_stops_training_through_the_control():
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer, _ = _train(tmp, [watch], max_grad_norm=1.0, steps=20)
-    assert trainer.state.global_step == 2  # stopped after the first flush
+    assert trainer.state.global_step == 1  # stopped at the first step: the model's norm is judged every step
     assert any(a.kind == "exploding" for a in watch.alerts)
 
 

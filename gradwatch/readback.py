@@ -1,0 +1,185 @@
+"""The few values judged at every step, on the host without a host/device sync.
+
+``nonfinite`` and model-level ``exploding`` are judged at every step, not only at the flush:
+after ``step()`` has written a step's row, the row's parameter-gradient sums of squares and
+non-finite counts, the layers' running forward sums and output-gradient sums of squares (and,
+on sampled steps, the forward order) are
+
+- on the CPU path: read through numpy views of the buffer, which is host memory: the step is
+  judged at its own ``step()``;
+- elsewhere (accelerators, and the device-agnostic path on CPU tensors): gathered with one
+  ``cat`` and copied with ``non_blocking=True`` into pinned host memory, with a CUDA event
+  recorded after the copy; a later ``step()`` reads the copy once ``event.query()`` says it has
+  landed (the next one, almost always), so nothing waits for the device.
+
+Nothing here is traced: it runs in ``step()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .layout import FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, STEP_FAILED, Layout
+
+#: Staging slots for steps whose values are still being copied (a step finding none free is
+#: judged at the flush).
+_RING = 4
+
+
+@dataclass
+class StepValues:
+    """One step's host values for the per-step checks."""
+
+    slot: int
+    sq: np.ndarray  # [P] per-tensor sums of squares
+    nonfinite: np.ndarray  # [P] per-tensor non-finite counts (0 where not counted)
+    present: np.ndarray  # [P] bool: the tensor had a gradient
+    forward: np.ndarray  # [L] running forward sums of the window
+    out_sq: np.ndarray  # [L] output-gradient sums of squares (0 where not recorded)
+    order: np.ndarray | None  # [L] forward clock at each layer's first call (sampled steps)
+    failed: bool
+
+
+class StepReadback:
+    """Per-step values of one window, handed over when they are on the host."""
+
+    def __init__(self, layout: Layout, host_path: bool) -> None:
+        self.layout = layout
+        buffer = layout.buffer
+        self.host_path = host_path and buffer.device.type == "cpu"
+        self.cuda = buffer.device.type == "cuda"
+        p, n = len(layout.param_layer), len(layout.names)
+        self._sizes = (p, p, n, n)
+        if self.host_path:
+            self._views = {name: buffer.host_view(name) for name in (PARAM_SQ, PARAM_NONFINITE, FWD_SUM, OUT_GRAD,
+                                                                   FWD_ORDER)}  # fmt: skip
+        # In flight: (slot, staging index, event or None); the staging ring is allocated once
+        # (pinned on CUDA): a step whose copy finds the ring full is judged at the flush instead.
+        self._in_flight: list[tuple] = []
+        self._ring: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._ring_host: list[tuple[np.ndarray, np.ndarray]] = []  # numpy views of the ring, made once
+        self._free: list[int] = []
+        if not self.host_path:
+            pinned = self.cuda
+            size = sum(self._sizes)
+            for _ in range(_RING):
+                row = torch.empty(size, dtype=buffer.dtype, pin_memory=pinned)
+                order = torch.empty(n, dtype=buffer.dtype, pin_memory=pinned)
+                self._ring.append((row, order))
+                self._ring_host.append((row.numpy(), order.numpy()))
+            self._free = list(range(_RING))
+        self._rows = [
+            (buffer.row(PARAM_SQ, t), buffer.row(PARAM_NONFINITE, t), buffer.row(FWD_SUM, t), buffer.row(OUT_GRAD, t)[0])
+            for t in range(layout.flush_every)
+        ]  # fmt: skip
+        self._order_rows = [buffer.row(FWD_ORDER, t) for t in range(layout.flush_every)]
+
+    @property
+    def available(self) -> bool:
+        """Whether per-step values can be had without a sync on this device."""
+        return self.host_path or self.cuda or self.layout.buffer.device.type == "cpu"
+
+    def capture(self, slot: int) -> None:
+        """After ``step()`` wrote row ``slot``: start its copy to the host (nothing to do on the CPU path)."""
+        if self.host_path:
+            self._in_flight.append((slot,))
+            return
+        if not self._free:
+            return  # every staging slot is still in flight: this step is judged at the flush
+        k = self._free.pop()
+        staged, order = self._ring[k]
+        staged.copy_(torch.cat(self._rows[slot]), non_blocking=self.cuda)
+        sampled = self.layout.is_sampled(slot)
+        if sampled:
+            order.copy_(self._order_rows[slot], non_blocking=self.cuda)
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self._in_flight.append((slot, k, sampled, event))
+
+    def ready(self, wait: bool = False) -> list[StepValues]:
+        """The captured steps whose values are on the host, in order (``wait``: all of them; the
+        flush, which synchronises anyway)."""
+        out: list[StepValues] = []
+        host = self.layout.buffer.host
+        while self._in_flight:
+            item = self._in_flight[0]
+            slot = item[0]
+            if self.host_path:
+                v = self._views
+                sq, nonfinite, forward, out_sq = v[PARAM_SQ][slot], v[PARAM_NONFINITE][slot], v[FWD_SUM][slot], v[OUT_GRAD][slot, 0]
+                order = v[FWD_ORDER][slot] if self.layout.is_sampled(slot) else None
+            else:
+                _, k, sampled, event = item
+                if event is not None and not wait and not event.query():
+                    break  # not landed yet: judged at a later step
+                if event is not None and wait:
+                    event.synchronize()
+                staged, order_host = self._ring_host[k]
+                values = staged.astype(np.float64)  # a copy: the slot is reused
+                p, _, n, _ = self._sizes
+                sq, nonfinite = values[:p], values[p : 2 * p]
+                forward, out_sq = values[2 * p : 2 * p + n], values[2 * p + n :]
+                order = order_host.astype(np.float64) if sampled else None
+                self._free.append(k)
+            self._in_flight.pop(0)
+            out.append(StepValues(
+                slot=slot, sq=np.array(sq, dtype=np.float64), nonfinite=np.array(nonfinite, dtype=np.float64),
+                present=host[PARAM_PRESENT][slot] > 0, forward=np.array(forward, dtype=np.float64),
+                out_sq=np.array(out_sq, dtype=np.float64),
+                order=None if order is None else np.array(order, dtype=np.float64),
+                failed=bool(host[STEP_FAILED][slot]),
+            ))  # fmt: skip
+        return out
+
+    def clear(self) -> None:
+        """Forget what is in flight (a window ends)."""
+        for item in self._in_flight:
+            if not self.host_path:
+                if item[3] is not None:
+                    item[3].synchronize()  # the copy must land before its slot is reused
+                self._free.append(item[1])
+        self._in_flight.clear()
+
+
+@dataclass
+class StepSummary:
+    """What the per-step checks judge, per layer and for the model, from one step's values."""
+
+    has_grad: bool
+    global_norm: float  # over the tensors that had a gradient (NaN: none had one)
+    fwd_bad: np.ndarray  # [L] an output turned non-finite at this step (first time in the window)
+    grad_bad: np.ndarray  # [L] a parameter gradient or output gradient was non-finite
+    count: float  # non-finite parameter-gradient elements counted (0: not counted this step)
+
+
+def summarize(values: StepValues, layout: Layout, previous_forward: np.ndarray | None) -> StepSummary:
+    """Per layer and for the model: what one step's host values say."""
+    n = len(layout.names)
+    owner = layout.param_layer
+    present = values.present
+    with np.errstate(invalid="ignore", over="ignore"):
+        bad_tensor = present & (~np.isfinite(values.sq) | (values.nonfinite > 0))
+        grad_bad = np.zeros(n, dtype=bool)
+        np.logical_or.at(grad_bad, owner[bad_tensor], True)
+        grad_bad |= ~np.isfinite(values.out_sq)
+        running_bad = ~np.isfinite(values.forward)
+        fwd_bad = running_bad if previous_forward is None else running_bad & np.isfinite(previous_forward)
+        total = float(np.sum(np.where(present, values.sq, 0.0)))
+    return StepSummary(
+        has_grad=bool(present.any()),
+        global_norm=float(np.sqrt(total)) if present.any() else float("nan"),
+        fwd_bad=fwd_bad,
+        grad_bad=grad_bad,
+        count=float(np.rint(np.sum(np.where(present, values.nonfinite, 0.0)))),
+    )
+
+
+def forward_order(first_calls: np.ndarray) -> list[int]:
+    """Layers in the order of their first forward call (the clock counts down)."""
+    ran = np.flatnonzero(first_calls > 0)
+    return [int(i) for i in ran[np.argsort(-first_calls[ran], kind="stable")]]
