@@ -158,25 +158,29 @@ class StepSummary:
 
 
 def summarize(values: StepValues, layout: Layout, previous_forward: np.ndarray | None) -> StepSummary:
-    """Per layer and for the model: what one step's host values say."""
+    """Per layer and for the model: what one step's host values say. The common case (all
+    finite) costs a few numpy reductions; per-layer masks are worked out only when something
+    is not finite (this runs at every step)."""
     n = len(layout.names)
-    owner = layout.param_layer
     present = values.present
     with np.errstate(invalid="ignore", over="ignore"):
+        total = float(np.dot(present, np.where(present, values.sq, 0.0)))
+        all_finite = (
+            np.isfinite(total) and not values.nonfinite.any() and np.isfinite(values.forward.sum())
+            and np.isfinite(values.out_sq.sum())
+        )  # fmt: skip
+        has_grad = bool(present.any())
+        norm = float(np.sqrt(total)) if has_grad else float("nan")
+        if all_finite:
+            none = np.zeros(n, dtype=bool)
+            return StepSummary(has_grad, norm, none, none, 0.0)
         bad_tensor = present & (~np.isfinite(values.sq) | (values.nonfinite > 0))
-        grad_bad = np.zeros(n, dtype=bool)
-        np.logical_or.at(grad_bad, owner[bad_tensor], True)
+        grad_bad = np.bincount(layout.param_layer[bad_tensor], minlength=n) > 0
         grad_bad |= ~np.isfinite(values.out_sq)
         running_bad = ~np.isfinite(values.forward)
         fwd_bad = running_bad if previous_forward is None else running_bad & np.isfinite(previous_forward)
-        total = float(np.sum(np.where(present, values.sq, 0.0)))
-    return StepSummary(
-        has_grad=bool(present.any()),
-        global_norm=float(np.sqrt(total)) if present.any() else float("nan"),
-        fwd_bad=fwd_bad,
-        grad_bad=grad_bad,
-        count=float(np.rint(np.sum(np.where(present, values.nonfinite, 0.0)))),
-    )
+    count = float(np.rint(np.sum(np.where(present, values.nonfinite, 0.0))))
+    return StepSummary(has_grad, norm, fwd_bad, grad_bad, count)
 
 
 def forward_order(first_calls: np.ndarray) -> list[int]:

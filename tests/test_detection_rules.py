@@ -282,3 +282,66 @@ def test_multihead_attention_out_proj_gets_output_gradient_statistics():
         assert w.out_grad_norm[0, w.layers.index(name)] == pytest.approx(expected, rel=1e-5)
     assert w.dead_fraction[w.layers.index("layers.0.self_attn.out_proj")] == 0.0
     monitor.close()
+
+
+# ------------------------------------------------------------ root causes across a dead layer
+class _DeadBatchNormBlock(nn.Module):
+    """A residual block, conv -> BatchNorm (dead: gamma 0, beta -1, so the ReLU zeroes it) -> ReLU
+    -> conv without bias -> BatchNorm, plus the identity (ResNet's BasicBlock)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 4)
+        with torch.no_grad():
+            self.bn1.weight.zero_()
+            self.bn1.bias.fill_(-1.0)
+
+    def forward(self, x):
+        h = torch.relu(self.bn1(self.conv1(x)))
+        h = torch.relu(x + self.bn2(self.conv2(h)))
+        return self.head(h.mean((2, 3)))
+
+
+def test_a_bias_free_conv_after_a_dead_batchnorm_is_not_vanishing_the_dead_layer_is_named():
+    torch.manual_seed(0)
+    model = _DeadBatchNormBlock()
+
+    def make():
+        x = torch.randn(16, 8, 8, 8)
+        return x, torch.randn(16, 4)
+
+    monitor = _run(model, steps=40, make=make, opt=torch.optim.SGD(model.parameters(), lr=0.01))
+    kinds = [(a.kind, a.layer) for a in monitor.alerts]
+    assert kinds[0] == ("dead_units", "bn1"), kinds
+    assert not [k for k in kinds if k[0] == "vanishing"], kinds  # conv2 (zero input) and conv1 (behind it)
+    dead = next(a for a in monitor.alerts if a.kind == "dead_units")
+    assert "conv2 without a parameter gradient" in dead.message
+
+
+class _NormBeforeDeadLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.norm = nn.LayerNorm(32)
+        self.dead = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 4)
+        with torch.no_grad():
+            self.dead.bias.fill_(-100.0)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.dead(self.norm(self.inp(x)))))
+
+
+def test_a_norm_feeding_a_dead_linear_is_not_named_before_the_dead_layer():
+    # batch 8: the dead layer's first window has 16 samples (too few to judge); the norm before
+    # it has had a zero gradient since step 0 and waits for that judgement instead of going first.
+    torch.manual_seed(0)
+    model = _NormBeforeDeadLinear()
+    monitor = _run(model, steps=40, make=_regression(batch=8), opt=torch.optim.SGD(model.parameters(), lr=0.01))
+    kinds = [(a.kind, a.layer) for a in monitor.alerts]
+    assert kinds and kinds[0] == ("dead_units", "dead"), kinds
+    assert ("vanishing", "norm") not in kinds and ("vanishing", "inp") not in kinds
