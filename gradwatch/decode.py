@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from .layout import (
-    FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, STEP_FAILED, UNIT_ACC,
-    UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout,
+    FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, SAMPLE_UPDATE_SQ,
+    SAMPLE_WEIGHT_SQ, STEP_FAILED, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout,
 )  # fmt: skip
 from .readback import forward_order
 from .window import Window
@@ -90,6 +90,22 @@ def build_window(host: dict[str, np.ndarray], steps: list[int], layout: Layout, 
             weight_rms = np.sqrt(weights_sq / weights_n)
         judged_ratio = np.where(layer_sum(matrices.astype(np.float64), matrices) > 0, judged_ratio, np.nan)
 
+    estimated = estimated_rms = None
+    if layout.track_updates and len(layout.sample_columns):
+        cols = layout.sample_columns
+        owner_s = owner[cols]
+
+        def per_layer_s(values: np.ndarray) -> np.ndarray:
+            out = np.zeros((values.shape[0], n_layers))
+            np.add.at(out.T, owner_s, values.T)
+            return out
+
+        upd_s, wsq_s = host[SAMPLE_UPDATE_SQ][:n], host[SAMPLE_WEIGHT_SQ][:n]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            weights = per_layer_s(wsq_s)
+            estimated = np.where(weights > 0, np.sqrt(per_layer_s(upd_s) / weights), np.nan)
+            estimated_rms = np.sqrt(weights / per_layer_s(np.broadcast_to(layout.sample_numel, wsq_s.shape).astype(float)))
+
     skipped = None
     if scaler_in_use:
         # GradScaler skips exactly the steps whose gradients hold an Inf/NaN.
@@ -119,6 +135,8 @@ def build_window(host: dict[str, np.ndarray], steps: list[int], layout: Layout, 
         update_ratio=update_ratio,
         judged_update_ratio=judged_ratio,
         judged_weight_rms=weight_rms,
+        estimated_update_ratio=estimated,
+        estimated_weight_rms=estimated_rms,
     )
 
 

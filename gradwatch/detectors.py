@@ -87,8 +87,10 @@ class HealthChecks:
         self.dead_steps = np.zeros(n, dtype=np.int64)
         self.steps_seen = 0
         self.skipped_steps = 0
-        # Per layer: consecutive measured optimizer steps with a judged update ratio above the limit.
+        # Per layer: consecutive measured optimizer steps with a judged update ratio above the limit,
+        # and consecutive steps whose estimated ratio (a sample of each matrix) was.
         self.update_streak = np.zeros(n, dtype=np.int64)
+        self.estimate_streak = np.zeros(n, dtype=np.int64)
 
     # ------------------------------------------------------------------ API
     def check(self, w: Window) -> Assessment:
@@ -396,33 +398,44 @@ class HealthChecks:
 
     def _update_ratio(self, w: Window, result: Assessment) -> None:
         """Layers whose weight matrices changed by more than update_ratio_max of their norm at
-        update_ratio_steps consecutive measured optimizer steps (streaks carry across windows)."""
-        if w.judged_update_ratio is None:
-            return
+        update_ratio_steps consecutive optimizer steps (streaks carry across windows): measured
+        exactly at each layer's two measured steps per window, and estimated at every step from a
+        fixed sample of each matrix, so that a learning rate far too high for a few steps is seen
+        wherever those steps fall in the window."""
         cfg = self.config
         flagged: set[int] = set()
         calm = np.ones(len(self.layers), dtype=bool)
         measured_any = np.zeros(len(self.layers), dtype=bool)
-        for t, step in enumerate(w.update_steps):
-            ratio, rms = w.judged_update_ratio[t], w.judged_weight_rms[t]  # type: ignore[index]
-            measured = np.isfinite(ratio) & (rms >= cfg.update_ratio_min_weight_rms)
-            above = measured & (ratio > cfg.update_ratio_max)
-            measured_any |= measured
-            calm &= ~measured | (ratio <= _UPDATE_CLEAR * cfg.update_ratio_max)
-            # A measured step below the limit ends a streak; unmeasured layers keep theirs.
-            self.update_streak = np.where(above, self.update_streak + 1, np.where(measured, 0, self.update_streak))
-            for i in np.flatnonzero(self.update_streak >= cfg.update_ratio_steps):
-                if i in flagged:
-                    continue
-                flagged.add(int(i))
-                result.findings.append(
-                    Finding(
-                        "update_ratio", self.layers[i], int(step), float(ratio[i]), cfg.update_ratio_max,
-                        f"its weights changed by {ratio[i]:.3g} of their norm in one optimizer step, above "
-                        f"{cfg.update_ratio_max:g} at {int(self.update_streak[i])} measured steps in a row: "
-                        "the learning rate is far too high for this layer",
-                    )  # fmt: skip
-                )
+        sources = []
+        if w.judged_update_ratio is not None:
+            exact = list(zip(w.update_steps, w.judged_update_ratio, w.judged_weight_rms))  # type: ignore[arg-type]
+            sources.append(("update_streak", exact, "measured steps"))
+        if w.estimated_update_ratio is not None:
+            estimated = list(zip(w.steps, w.estimated_update_ratio, w.estimated_weight_rms))  # type: ignore[arg-type]
+            sources.append(("estimate_streak", estimated, "steps in a row (estimated from a sample of each matrix)"))
+        for attribute, rows, what in sources:
+            streak = getattr(self, attribute)
+            for step, ratio, rms in rows:
+                with np.errstate(invalid="ignore"):
+                    measured = np.isfinite(ratio) & (rms >= cfg.update_ratio_min_weight_rms)
+                    above = measured & (ratio > cfg.update_ratio_max)
+                    calm &= ~measured | (ratio <= _UPDATE_CLEAR * cfg.update_ratio_max)
+                measured_any |= measured
+                # A measured step below the limit ends a streak; unmeasured layers keep theirs.
+                streak = np.where(above, streak + 1, np.where(measured, 0, streak))
+                for i in np.flatnonzero(streak >= cfg.update_ratio_steps):
+                    if i in flagged:
+                        continue
+                    flagged.add(int(i))
+                    result.findings.append(
+                        Finding(
+                            "update_ratio", self.layers[i], int(step), float(ratio[i]), cfg.update_ratio_max,
+                            f"its weights changed by {ratio[i]:.3g} of their norm in one optimizer step, above "
+                            f"{cfg.update_ratio_max:g} at {int(streak[i])} {what}: the learning rate is far "
+                            "too high for this layer",
+                        )  # fmt: skip
+                    )
+            setattr(self, attribute, streak)
         result.clear.update(("update_ratio", self.layers[i]) for i in np.flatnonzero(calm & measured_any))
 
     # ------------------------------------------------------------ baselines
@@ -498,6 +511,7 @@ class HealthChecks:
             "model_steps": self.model_steps,
             "skipped_steps": self.skipped_steps,
             "update_streak": dict(zip(self.layers, (int(s) for s in self.update_streak))),
+            "estimate_streak": dict(zip(self.layers, (int(s) for s in self.estimate_streak))),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -517,6 +531,8 @@ class HealthChecks:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         streaks = state.get("update_streak", {})
         self.update_streak = np.array([int(streaks.get(n, 0)) for n in self.layers], dtype=np.int64)
+        streaks = state.get("estimate_streak", {})
+        self.estimate_streak = np.array([int(streaks.get(n, 0)) for n in self.layers], dtype=np.int64)
 
 
 def _nan_median_columns(values: np.ndarray) -> np.ndarray:

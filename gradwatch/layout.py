@@ -13,6 +13,7 @@ import torch
 from .buffer import StatBuffer
 from .layers import LayerSpec
 from .param_stats import ParamStats
+from .updates import sample_view, sampled_columns
 
 # Per-step states: one row per step of the window.
 PARAM_SQ = "param_sq"  # [F, P] per-tensor sum of squares of the parameter gradient
@@ -34,6 +35,10 @@ UNIT_ACC = "unit_acc"  # [U] per unit: zero exactly for dead units
 UPDATE_SQ = "update_sq"  # [F + 1, P] ||w_after - w_before||^2 per tensor
 WEIGHT_SQ = "weight_sq"  # [F + 1, P] ||w_before||^2 per tensor
 UPDATE_SEEN = "update_seen"  # host [F + 1, P] ranks on which the tensor was measured
+# The per-step estimate (with an optimizer): at every optimizer step, the same squared norms of a
+# fixed strided sample of each weight matrix (updates.sample_view), for the update_ratio check.
+SAMPLE_UPDATE_SQ = "sample_update_sq"  # [F, S]
+SAMPLE_WEIGHT_SQ = "sample_weight_sq"  # [F, S]
 
 
 class Layout:
@@ -75,10 +80,17 @@ class Layout:
         buffer.add_state(SYNC_VOTE, (1,), "max", host=True)
         buffer.add_state(UNIT_ACC, (int(self.unit_count.sum()),), "sum")
         self.track_updates = track_updates
+        #: the columns of the per-step update sample, and how many elements each sample has
+        self.sample_columns = sampled_columns(param_stats.params, list(range(p))) if track_updates else np.zeros(0, np.int64)
+        self.sample_numel = np.array([sample_view(param_stats.params[j]).numel() for j in self.sample_columns],
+                                     dtype=np.int64)  # fmt: skip
         if track_updates:
             buffer.add_state(UPDATE_SQ, (F + 1, p), param_sum)
             buffer.add_state(WEIGHT_SQ, (F + 1, p), param_sum)
             buffer.add_state(UPDATE_SEEN, (F + 1, p), param_sum, host=True)
+            # identical on data-parallel ranks; sharded tensors are not sampled
+            buffer.add_state(SAMPLE_UPDATE_SQ, (F, len(self.sample_columns)), "none")
+            buffer.add_state(SAMPLE_WEIGHT_SQ, (F, len(self.sample_columns)), "none")
         buffer.freeze()
 
         # Sampled steps record every statistic; the others (detail="standard") the per-tensor sums

@@ -120,6 +120,11 @@ class GradMonitor:
                 if monitor is not None and not monitor._closed:
                     recorder.write_update(monitor._next_step - 1, columns, index, update_sq, weight_sq)
 
+            def write_estimate(update_norms: torch.Tensor, weight_norms: torch.Tensor) -> None:
+                monitor = self_ref()
+                if monitor is not None and not monitor._closed:
+                    recorder.write_estimate(update_norms, weight_norms)
+
             self._updates = UpdateRatio(
                 optimizer,
                 recorder.param_stats.params,
@@ -128,6 +133,8 @@ class GradMonitor:
                 write_update,
                 recorder.hook_failed,
                 recorder.buffer.dtype,
+                write_estimate=write_estimate,
+                sample_columns=recorder.layout.sample_columns,
             )
         if self._sync_dist:
             self._agree_on_layout()

@@ -20,8 +20,8 @@ from .decode import build_window
 from .devices import host_to_device, index_tensor
 from .layers import LayerSpec
 from .layout import (
-    FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, STEP_FAILED, SYNC_VOTE,
-    UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout,
+    FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, SAMPLE_UPDATE_SQ,
+    SAMPLE_WEIGHT_SQ, STEP_FAILED, SYNC_VOTE, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout,
 )  # fmt: skip
 from .param_stats import ParamStats, StepRows
 from .window import Window
@@ -179,6 +179,15 @@ class Recorder:
         self.buffer.row(WEIGHT_SQ, row).index_copy_(0, index, weight)
         self._host[UPDATE_SEEN][row][columns] = 1
         self.update_steps.append(step)
+
+    def write_estimate(self, update_norms: torch.Tensor, weight_norms: torch.Tensor) -> None:
+        """The per-step sampled update estimate of the step just recorded (its optimizer step runs
+        after ``step()``); dropped for a window's last step, whose row was flushed already."""
+        row = self.slot - 1
+        if row < 0:
+            return
+        torch.square(update_norms.to(self._dtype), out=self.buffer.row(SAMPLE_UPDATE_SQ, row))
+        torch.square(weight_norms.to(self._dtype), out=self.buffer.row(SAMPLE_WEIGHT_SQ, row))
 
     def mark_window_failed(self) -> None:
         """Mark every step of the window as failed (a failure before the flush's collective)."""

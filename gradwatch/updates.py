@@ -32,6 +32,8 @@ log = logging.getLogger("gradwatch")
 
 #: The most parameter bytes copied at once (unless a window is too short for that).
 CHUNK_BYTES = 64 << 20
+#: Elements per weight matrix in the per-step estimate (a strided sample of the flattened tensor).
+SAMPLE_ELEMENTS = 1024
 
 
 class UpdateRatio:
@@ -46,6 +48,8 @@ class UpdateRatio:
         write: Callable[[np.ndarray | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None], None],
         on_error: Callable[[str, BaseException], None],
         acc_dtype: torch.dtype,
+        write_estimate: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+        sample_columns: np.ndarray | None = None,
     ) -> None:
         if not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "register_step_pre_hook")):
             raise TypeError(
@@ -65,6 +69,14 @@ class UpdateRatio:
         self._on_error = on_error
         self.chunks = _chunks(self.columns, params, param_layer, flush_every)
         self.flush_every = flush_every
+        # The per-step estimate: a fixed strided sample of each weight matrix the check judges,
+        # read before and after every optimizer step (views made once; the optimizer updates in place).
+        self._write_estimate = write_estimate
+        self._samples: list[torch.Tensor] = []
+        if write_estimate is not None and sample_columns is not None:
+            self._samples = [sample_view(params[j]) for j in sample_columns]
+        self._sample_before: list[torch.Tensor] | None = None
+        self._sample_sq: list[torch.Tensor] | None = None
         self._index: dict[int, torch.Tensor] = {}
         self._before: list[torch.Tensor] | None = None
         self._before_sq: torch.Tensor | None = None
@@ -98,6 +110,14 @@ class UpdateRatio:
         step = self.optimizer_steps
         self.optimizer_steps += 1
         self._before = None
+        self._sample_before = None
+        if self._samples:
+            try:
+                with torch.no_grad():
+                    self._sample_before = torch._foreach_mul(self._samples, 1.0)
+                    self._sample_sq = foreach_norm(self._sample_before, 2, self._acc)
+            except Exception as exc:
+                self._on_error("update_ratio (the per-step sample)", exc)
         chunk = self.chunk_at(step)
         self._chunk = chunk if self._params is not None else None  # scheduled: a row on every rank
         if self._chunk is None:
@@ -113,6 +133,17 @@ class UpdateRatio:
             self._on_error("update_ratio (before the optimizer step)", exc)
 
     def _post(self) -> None:
+        sample = self._sample_before
+        self._sample_before = None
+        if sample is not None and self._write_estimate is not None:
+            try:
+                with torch.no_grad():
+                    torch._foreach_sub_(sample, self._samples)  # w_before - w_after of the sample
+                    self._write_estimate(
+                        torch.stack(foreach_norm(sample, 2, self._acc)), torch.stack(self._sample_sq)  # type: ignore[arg-type]
+                    )
+            except Exception as exc:
+                self._on_error("update_ratio (the per-step sample)", exc)
         before, chunk = self._before, self._chunk
         self._before, self._chunk = None, None  # the copy lives from one pre-hook to its post-hook, no longer
         if chunk is None or self._params is None:
@@ -142,6 +173,22 @@ class UpdateRatio:
         self._handles = []
         self._params = None
         self._before = None
+        self._samples = []
+        self._sample_before = None
+
+
+def sample_view(p: torch.Tensor) -> torch.Tensor:
+    """About ``SAMPLE_ELEMENTS`` elements of ``p`` spread over the whole tensor (every k-th of the
+    flattened tensor, so every part of it is represented: rows, channels, embedding rows)."""
+    flat = p.detach().reshape(-1)  # a view of a contiguous parameter
+    return flat[:: max(1, flat.numel() // SAMPLE_ELEMENTS)]
+
+
+def sampled_columns(params: list[torch.Tensor], columns: list[int]) -> np.ndarray:
+    """The columns the per-step estimate covers: weight matrices and kernels (>= 2-D), not sharded,
+    contiguous (their flattened view shares their memory)."""
+    return np.array([j for j in columns if params[j].ndim >= 2 and not is_dtensor(params[j])
+                     and params[j].is_contiguous()], dtype=np.int64)  # fmt: skip
 
 
 def _chunks(columns: list[int], params: list[torch.Tensor], param_layer: np.ndarray, flush_every: int) -> list[list[int]]:

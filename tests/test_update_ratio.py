@@ -167,21 +167,19 @@ def test_a_measurement_after_a_windows_last_step_is_written_with_its_own_step(tm
 def test_a_measurement_that_fails_keeps_its_row_empty_so_rows_are_the_same_on_every_rank(monkeypatch, caplog):
     # The rows of a window are those the schedule names, on every rank: a rank whose chunk copy
     # failed keeps the row, empty, so a cross-process sum never mixes different steps' rows.
-    import gradwatch.updates as updates
-
     torch.manual_seed(0)
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     monitor = GradMonitor(model, flush_every=4, optimizer=opt)
-    mul, calls = torch._foreach_mul, [0]
+    local, calls = monitor._updates._local, [0]
 
-    def failing_once(*args, **kwargs):
+    def failing_once(columns):
         calls[0] += 1
-        if calls[0] == 2:  # the copy before the second measured step
+        if calls[0] == 3:  # the chunk's copy before the second measured step (pre, post, pre)
             raise RuntimeError("forced copy failure")
-        return mul(*args, **kwargs)
+        return local(columns)
 
-    monkeypatch.setattr(updates.torch, "_foreach_mul", failing_once)
+    monkeypatch.setattr(monitor._updates, "_local", failing_once)
     for _ in range(4):
         x = torch.randn(8, 16)
         nn.functional.mse_loss(model(x), torch.tanh(x[:, :4])).backward()
@@ -192,4 +190,48 @@ def test_a_measurement_that_fails_keeps_its_row_empty_so_rows_are_the_same_on_ev
     w = monitor.last_window
     assert w.update_steps == [0, 1]  # both scheduled rows
     assert all(math.isfinite(v) for v in w.update_ratio[0]) and all(math.isnan(v) for v in w.update_ratio[1])
+    monitor.close()
+
+
+def test_a_learning_rate_jump_between_the_measured_steps_is_found_at_its_steps():
+    # One chunk is measured exactly at window positions 0 and 1; a learning rate 500x too high
+    # for 8 steps in the middle of a window falls between them. The per-step estimate (a fixed
+    # sample of each weight matrix) sees it at its steps.
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    monitor = GradMonitor(model, flush_every=50, optimizer=opt)
+    for step in range(100):
+        for group in opt.param_groups:
+            group["lr"] = 0.5 if 20 <= step < 28 else 1e-3
+        x = torch.randn(8, 16)
+        nn.functional.mse_loss(model(x), torch.tanh(x[:, :4])).backward()
+        monitor.step()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    found = [a for a in monitor.alerts if a.kind == "update_ratio"]
+    assert found and all(20 <= a.step <= 22 for a in found), [(a.layer, a.step) for a in found]
+    assert "estimated from a sample" in found[0].message
+    assert {a.layer for a in found} >= {"0", "2"}
+
+
+def test_the_per_step_estimate_follows_the_exact_ratio():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    monitor = GradMonitor(model, flush_every=10, optimizer=opt)
+    exact = {}
+    for step in range(10):
+        x = torch.randn(16, 64)
+        nn.functional.mse_loss(model(x), torch.tanh(x[:, :4])).backward()
+        monitor.step()
+        before = model[0].weight.detach().clone()
+        opt.step()
+        exact[step] = float((model[0].weight.detach() - before).norm() / before.norm())
+        opt.zero_grad()
+    monitor.flush()
+    estimated = monitor.last_window.estimated_update_ratio[:, 0]
+    for step in range(9):  # the window's last step is flushed before its optimizer step
+        assert estimated[step] == pytest.approx(exact[step], rel=0.15), step
     monitor.close()
