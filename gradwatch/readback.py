@@ -127,13 +127,10 @@ class StepReadback:
                 order = order_host.astype(np.float64) if sampled else None
                 self._free.append(k)
             self._in_flight.pop(0)
-            out.append(StepValues(
-                slot=slot, sq=np.array(sq, dtype=np.float64), nonfinite=np.array(nonfinite, dtype=np.float64),
-                present=host[PARAM_PRESENT][slot] > 0, forward=np.array(forward, dtype=np.float64),
-                out_sq=np.array(out_sq, dtype=np.float64),
-                order=None if order is None else np.array(order, dtype=np.float64),
-                failed=bool(host[STEP_FAILED][slot]),
-            ))  # fmt: skip
+            # Views of the buffer's rows on the CPU path (they hold until the window ends), copies
+            # of the staging slot otherwise.
+            out.append(StepValues(slot, sq, nonfinite, host[PARAM_PRESENT][slot] > 0, forward, out_sq, order,
+                                  bool(host[STEP_FAILED][slot])))  # fmt: skip
         return out
 
     def clear(self) -> None:
