@@ -37,8 +37,9 @@ class HealthConfig:
     dead_fraction: float = 0.5
     #: Layers with fewer units than this are not judged for dead units.
     dead_min_units: int = 4
-    #: Dead units are judged on at least this many output-gradient rows (samples x positions,
-    #: over calls, micro-batches and ranks); a layer that saw fewer in a window carries its
+    #: Dead units are judged on at least this many samples (over calls, micro-batches and ranks):
+    #: images for convolutions and per-channel norms (never their positions), rows of the
+    #: (-1, units) view for other layers (tokens); a layer that saw fewer in a window carries its
     #: evidence into the next windows until it has them.
     dead_min_samples: int = 32
     #: Vanishing with an optimizer that normalises its step (Adam family, RMSprop, ...): only the

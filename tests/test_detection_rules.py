@@ -345,3 +345,22 @@ def test_a_norm_feeding_a_dead_linear_is_not_named_before_the_dead_layer():
     kinds = [(a.kind, a.layer) for a in monitor.alerts]
     assert kinds and kinds[0] == ("dead_units", "dead"), kinds
     assert ("vanishing", "norm") not in kinds and ("vanishing", "inp") not in kinds
+
+
+def test_dead_channels_are_judged_on_images_not_on_positions():
+    # Batch 4, 8x8 positions: 4 images a step, not 256 "samples". dead_min_samples=32 images need
+    # 8 recorded steps (flush_every=2, both steps of a window sampled), so the dead convolution is
+    # judged at step 7, not at the first flush from "256 samples" that were 4 images.
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 8, 3, padding=1)
+    with torch.no_grad():
+        conv.bias.fill_(-100.0)
+    model = nn.Sequential(conv, nn.ReLU(), nn.Flatten(), nn.Linear(8 * 64, 4))
+
+    def make():
+        return torch.randn(4, 3, 8, 8), torch.randn(4, 4)
+
+    monitor = _run(model, steps=12, flush_every=2, make=make, opt=torch.optim.SGD(model.parameters(), lr=0.0))
+    dead = [a for a in monitor.alerts if a.kind == "dead_units"]
+    assert [(a.layer, a.step) for a in dead] == [("0", 7)]
+    assert "32 samples of 8 steps" in dead[0].message
