@@ -32,8 +32,8 @@ class Window:
     global_grad_norm: np.ndarray  # [step]
     step_orders: list[tuple[list[int], list[int]]] = field(default_factory=list)
     skipped: np.ndarray | None = None  # bool [step]: GradScaler skipped the optimizer step
-    #: [layer] output-gradient rows (samples x positions, over calls, micro-batches and
-    #: ranks) behind each layer's dead_fraction in this window
+    #: [layer] samples (images for convolutions, rows for the others; over calls, micro-batches
+    #: and ranks) behind each layer's dead_fraction in this window
     rows_seen: np.ndarray | None = None
     #: [layer] distinct steps behind rows_seen
     steps_judged: np.ndarray | None = None
