@@ -33,6 +33,11 @@ class Contender:
     def after_backward(self) -> None:
         pass
 
+    def close(self) -> None:
+        """Remove whatever hooks the contender registered (``self.handles``)."""
+        for handle in getattr(self, "handles", ()):
+            handle.remove()
+
     def step(self) -> None:
         if self._run is None:
             self._run = torch.compile(self.model) if self.compiled else self.model
@@ -43,8 +48,6 @@ class Contender:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
-    def close(self) -> None:
-        pass
 
 
 class Unmonitored(Contender):
@@ -159,9 +162,6 @@ class ItemHook(Contender):
         if len(self.values) > 10000:
             self.values.clear()
 
-    def close(self):
-        for h in self.handles:
-            h.remove()
 
 
 class FusedFloor(Contender):
@@ -224,9 +224,6 @@ class ReadOnceFloor(Contender):
         self.results.extend(torch._foreach_norm(grads, 2))
         self.results.clear()
 
-    def close(self):
-        for h in self.handles:
-            h.remove()
 
 
 def compiled(kind: type[Contender], name: str | None = None) -> type[Contender]:
@@ -243,9 +240,6 @@ class EmptyHooks(Contender):
         super().__init__(model, workload, device)
         self.handles = [m.register_forward_hook(lambda m, a, o: None) for m in _layers(model)]
 
-    def close(self):
-        for h in self.handles:
-            h.remove()
 
 
 class DefaultStepFloor(Contender):
@@ -271,9 +265,6 @@ class DefaultStepFloor(Contender):
         self.results.extend(torch._foreach_norm([p.grad for p in self.params if p.grad is not None], 2))
         self.results.clear()
 
-    def close(self):
-        for h in self.handles:
-            h.remove()
 
 
 class OutputReadFloor(DefaultStepFloor):

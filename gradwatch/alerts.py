@@ -105,12 +105,8 @@ class AlertTracker:
         for key, f in current.items():
             state = self.active.get(key)
             if state is None:
-                alert = Alert(f.kind, f.layer, int(f.step), float(f.value), float(f.threshold), format_message(f))
-                self.alerts.append(alert)
-                new.append(alert)
+                new.append(self._onset(key, f))
                 onsets.append(f)
-                self.active[key] = [0, 0]
-                self.onsets[key] = self.onsets.get(key, 0) + 1
                 continue
             state[0] += 1
             state[1] = 0
@@ -147,21 +143,22 @@ class AlertTracker:
         """Findings judged between flushes (at a step): new conditions become alerts now, logged
         and passed to the callbacks; conditions already active stay as they are (reminders and
         recoveries are counted at flushes, by :meth:`update`)."""
-        new: list[Alert] = []
-        onsets: list[Finding] = []
-        for f in findings:
-            key = _key(f)
-            if key in self.active:
-                continue
-            alert = Alert(f.kind, f.layer, int(f.step), float(f.value), float(f.threshold), format_message(f))
-            self.alerts.append(alert)
-            new.append(alert)
-            onsets.append(f)
-            self.active[key] = [0, 0]
-            self.onsets[key] = self.onsets.get(key, 0) + 1
+        onsets, new = [], []
+        for f in findings:  # the first finding of a condition that is not active yet
+            if _key(f) not in self.active:
+                new.append(self._onset(_key(f), f))
+                onsets.append(f)
         self._log(onsets, "")
         self._call_back(new)
         return new
+
+    def _onset(self, key: tuple[str, str], f: Finding) -> Alert:
+        """A condition begins: its Alert, kept; the condition active from now on."""
+        alert = Alert(f.kind, f.layer, int(f.step), float(f.value), float(f.threshold), format_message(f))
+        self.alerts.append(alert)
+        self.active[key] = [0, 0]
+        self.onsets[key] = self.onsets.get(key, 0) + 1
+        return alert
 
     def flushes_to_recover(self, key: tuple[str, str]) -> int:
         """Clear flushes a condition needs to recover: recovery_flushes, doubled each time the
