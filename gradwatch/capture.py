@@ -3,8 +3,9 @@
 Every module gradwatch watches gets one ``OutputTap``, registered as its forward hook.
 The tap and the tensor hook it puts on the module's output do nothing but tensor ops
 into *cells*: small tensors declared when the monitor attaches, one per layer and
-statistic, that accumulate the current step. ``Recorder.record_step`` moves them into
-the step's row of the buffer and zeroes them. There is no logging, no host read, no
+statistic, that accumulate the current step (the forward sums: the current window).
+``Recorder.record_step`` copies them into the step's row of the buffer and zeroes what a
+step accumulates. There is no logging, no host read, no
 Python container that grows, and no branch on strides in a tap, so the same code runs
 eagerly and inside ``torch.compile(fullgraph=True)`` (whole model or regional), and
 gives the same values in both.
