@@ -49,7 +49,6 @@ class Contender:
         self.opt.zero_grad(set_to_none=True)
 
 
-
 class Unmonitored(Contender):
     name = "none"
 
@@ -163,7 +162,6 @@ class ItemHook(Contender):
             self.values.clear()
 
 
-
 class FusedFloor(Contender):
     """One ``torch._foreach_norm`` over all gradients per step, kept on the device, copied every 50 steps."""
 
@@ -225,7 +223,6 @@ class ReadOnceFloor(Contender):
         self.results.clear()
 
 
-
 def compiled(kind: type[Contender], name: str | None = None) -> type[Contender]:
     """The same contender with its model run through ``torch.compile`` (the default inductor backend)."""
     return type(f"Compiled{kind.__name__}", (kind,), {"compiled": True, "name": name or f"{kind.name}, compiled"})
@@ -239,7 +236,6 @@ class EmptyHooks(Contender):
     def __init__(self, model, workload, device):
         super().__init__(model, workload, device)
         self.handles = [m.register_forward_hook(lambda m, a, o: None) for m in _layers(model)]
-
 
 
 class DefaultStepFloor(Contender):
@@ -264,7 +260,6 @@ class DefaultStepFloor(Contender):
     def after_backward(self):
         self.results.extend(torch._foreach_norm([p.grad for p in self.params if p.grad is not None], 2))
         self.results.clear()
-
 
 
 class OutputReadFloor(DefaultStepFloor):

@@ -86,13 +86,13 @@ class DeviceCells:
     def n(self) -> int:
         return len(self.layers)
 
-    def reset_step(self, sampled: bool) -> None:
-        """Zero what a step accumulates: the backward cells and the forward clock (written on
-        sampled steps only). The forward sums run on over the window (see ``reset_window``)."""
-        if sampled:
-            self.backward.zero_()
-            self.forward[self.n :].zero_()
-            self.clock.fill_(CLOCK_START)
+    def reset_step(self) -> None:
+        """Zero what a sampled step accumulates: the backward cells and the forward clock (the
+        taps write them on sampled steps only). The forward sums run on over the window (see
+        ``reset_window``)."""
+        self.backward.zero_()
+        self.forward[self.n :].zero_()
+        self.clock.fill_(CLOCK_START)
 
     def reset_window(self) -> None:
         """Zero every cell (a new window, or calls no step() will claim)."""

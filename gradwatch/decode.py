@@ -22,14 +22,7 @@ def build_window(host: dict[str, np.ndarray], steps: list[int], layout: Layout, 
     present = host[PARAM_PRESENT][:n] > 0
 
     def per_layer(values: np.ndarray, how: str = "sum") -> np.ndarray:
-        """[rows, tensor] -> [rows, layer]: the sum (or maximum) over each layer's tensors."""
-        rows = values.shape[0]
-        out = np.zeros((rows, n_layers)) if how == "sum" else np.full((rows, n_layers), -np.inf)
-        if how == "sum":
-            np.add.at(out.T, owner, values.T)
-        else:
-            np.maximum.at(out.T, owner, values.T)
-        return out
+        return _per_layer(values, owner, n_layers, how)
 
     sampled = layout.sampled_slots[:n]
     with np.errstate(invalid="ignore"):
@@ -92,13 +85,10 @@ def build_window(host: dict[str, np.ndarray], steps: list[int], layout: Layout, 
 
     estimated = estimated_rms = None
     if layout.track_updates and len(layout.sample_columns):
-        cols = layout.sample_columns
-        owner_s = owner[cols]
+        owner_s = owner[layout.sample_columns]
 
         def per_layer_s(values: np.ndarray) -> np.ndarray:
-            out = np.zeros((values.shape[0], n_layers))
-            np.add.at(out.T, owner_s, values.T)
-            return out
+            return _per_layer(values, owner_s, n_layers)
 
         upd_s, wsq_s = host[SAMPLE_UPDATE_SQ][:n], host[SAMPLE_WEIGHT_SQ][:n]
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -138,6 +128,19 @@ def build_window(host: dict[str, np.ndarray], steps: list[int], layout: Layout, 
         estimated_update_ratio=estimated,
         estimated_weight_rms=estimated_rms,
     )
+
+
+def _per_layer(values: np.ndarray, owner: np.ndarray, n_layers: int, how: str = "sum") -> np.ndarray:
+    """[rows, column] -> [rows, layer]: the sum (or maximum) over each layer's columns
+    (``owner``: the layer of each column)."""
+    rows = values.shape[0]
+    if how == "sum":
+        out = np.zeros((rows, n_layers))
+        np.add.at(out.T, owner, values.T)
+    else:
+        out = np.full((rows, n_layers), -np.inf)
+        np.maximum.at(out.T, owner, values.T)
+    return out
 
 
 def forward_orders(first_calls: np.ndarray, sampled: np.ndarray) -> list[tuple[list[int], list[int]]]:

@@ -78,12 +78,12 @@ class GradWatchCallback(TrainerCallback):
         self._alerts: list[Alert] = []
         self._state: Any = None  # the Trainer's TrainerState, for the step number
         self._scaler: Any = None  # accelerate's GradScaler under fp16 AMP
-        self._accelerator: Any = None  # whose clip_grad_norm_ is wrapped
         self._recorded_at: Optional[int] = None  # the last step recorded before clipping
         self._stop = False
         self._warned_after_clip = False
-        self._trainer: Any = None  # whose training_step is wrapped
-        self._tb_callback: Any = None  # the Trainer's TensorBoardCallback, whose on_train_end is wrapped
+        # (object, method name) of each method wrapped on an instance during train(): the
+        # accelerator's clip_grad_norm_, the Trainer's training_step, its TensorBoardCallback's on_train_end
+        self._wrapped: list[tuple[Any, str]] = []
 
     @property
     def alerts(self) -> list[Alert]:
@@ -133,9 +133,7 @@ class GradWatchCallback(TrainerCallback):
             callback._record(callback._state.global_step + 1, before_clip=True)
             return original(parameters, max_norm, norm_type=norm_type, **kwargs)
 
-        clip_grad_norm_.__gradwatch__ = True  # type: ignore[attr-defined]
-        accelerator.clip_grad_norm_ = clip_grad_norm_
-        self._accelerator = accelerator
+        self._install(accelerator, "clip_grad_norm_", clip_grad_norm_)
 
     def _wrap_training_step(self, trainer: Any) -> None:
         """The Trainer has no callback event for an exception: a step that raises (forward, loss,
@@ -150,9 +148,13 @@ class GradWatchCallback(TrainerCallback):
                 callback._detach()
                 raise
 
-        training_step.__gradwatch__ = True  # type: ignore[attr-defined]
-        trainer.training_step = training_step
-        self._trainer = trainer
+        self._install(trainer, "training_step", training_step)
+
+    def _install(self, owner: Any, name: str, wrapper: Any) -> None:
+        """Put ``wrapper`` on the instance ``owner`` in place of its method ``name``, until _detach()."""
+        wrapper.__gradwatch__ = True
+        setattr(owner, name, wrapper)
+        self._wrapped.append((owner, name))
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = state.global_step + 1
@@ -214,16 +216,13 @@ class GradWatchCallback(TrainerCallback):
             callback._detach()  # the last flush, while the Trainer's writer is open
             return original(*args, **kwargs)
 
-        on_train_end.__gradwatch__ = True  # type: ignore[attr-defined]
-        tb_callback.on_train_end = on_train_end
-        self._tb_callback = tb_callback
+        self._install(tb_callback, "on_train_end", on_train_end)
 
     def _detach(self) -> None:
-        for owner, name in ((self._accelerator, "clip_grad_norm_"), (self._trainer, "training_step"),
-                            (self._tb_callback, "on_train_end")):  # fmt: skip
-            if owner is not None and getattr(owner.__dict__.get(name), "__gradwatch__", False):
+        wrapped, self._wrapped = self._wrapped, []
+        for owner, name in wrapped:
+            if getattr(owner.__dict__.get(name), "__gradwatch__", False):
                 delattr(owner, name)  # the class's method again
-        self._accelerator = self._trainer = self._tb_callback = None
         if self.monitor is None:
             return
         monitor, self.monitor = self.monitor, None

@@ -81,7 +81,7 @@ class Layout:
         buffer.add_state(UNIT_ACC, (int(self.unit_count.sum()),), "sum")
         self.track_updates = track_updates
         #: the columns of the per-step update sample, and how many elements each sample has
-        self.sample_columns = sampled_columns(param_stats.params, list(range(p))) if track_updates else np.zeros(0, np.int64)
+        self.sample_columns = sampled_columns(param_stats.params) if track_updates else np.zeros(0, np.int64)
         self.sample_numel = np.array([sample_view(param_stats.params[j]).numel() for j in self.sample_columns],
                                      dtype=np.int64)  # fmt: skip
         if track_updates:

@@ -251,11 +251,8 @@ class GradMonitor:
         step = self._next_step if global_step is None else global_step
         try:
             self._recorder.record_step(params_scaled=grads_scaled)
-        except ModelMoved as exc:  # said once; the row is marked failed, nothing more is recorded
-            if not self._moved:
-                self._moved = True
-                log.error("gradwatch: %s", exc)
-            self._recorder.active = False
+        except ModelMoved as exc:  # the row is marked failed, nothing more is recorded
+            self._stop_recording(str(exc))
         except Exception as exc:  # never break a healthy run; the row is marked failed
             self._recorder.hook_failed("step()", exc)
         self._window_steps.append(step)
@@ -406,16 +403,21 @@ class GradMonitor:
         for layer in self._layer_specs:
             current = {id(p) for p in layer.module.parameters(recurse=False)}
             if any(id(p) not in current for p in layer.params):
-                self._moved = True
-                self._recorder.active = False
-                log.error(
-                    "gradwatch: the parameters of layer %s were replaced after gradwatch attached "
+                self._stop_recording(
+                    f"the parameters of layer {layer.name} were replaced after gradwatch attached "
                     "(load_state_dict(..., assign=True), a wrapper that swaps parameters, ...), so gradwatch no "
                     "longer sees the model's gradients: create the monitor after the model is materialised and "
-                    "wrapped (or close() this monitor and create a new one). gradwatch stops recording",
-                    layer.name,
+                    "wrapped (or close() this monitor and create a new one). gradwatch stops recording"
                 )
                 return
+
+    def _stop_recording(self, reason: str) -> None:
+        """The model changed under gradwatch (moved, or its parameters replaced): stop recording for
+        good (resume() does not undo it), and say why once, as an ERROR."""
+        if not self._moved:
+            self._moved = True
+            log.error("gradwatch: %s", reason)
+        self._recorder.active = False
 
     def _check_hooks_ran(self, window: Window) -> None:
         """Warn once when the layers had gradients but gradwatch's forward hooks never ran: code

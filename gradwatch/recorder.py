@@ -90,11 +90,6 @@ class Recorder:
     def active(self, value: bool) -> None:
         self.plan.active = bool(value)
 
-    @property
-    def sampling(self) -> bool:
-        """Whether the current step records every statistic."""
-        return self.plan.sampling
-
     def hook_failed(self, where: str, exc: BaseException) -> None:
         """A hook raised: warn once per layer and kind of error, and keep training going."""
         key = f"{where}:{type(exc).__name__}"
@@ -140,7 +135,7 @@ class Recorder:
         finally:
             if sampled:
                 for cells in self.cells.devices:
-                    cells.reset_step(sampled)
+                    cells.reset_step()
             self.slot = slot + 1
             plan.sampling = self.layout.is_sampled(self.slot)
 

@@ -184,11 +184,11 @@ def sample_view(p: torch.Tensor) -> torch.Tensor:
     return flat[:: max(1, flat.numel() // SAMPLE_ELEMENTS)]
 
 
-def sampled_columns(params: list[torch.Tensor], columns: list[int]) -> np.ndarray:
+def sampled_columns(params: list[torch.Tensor]) -> np.ndarray:
     """The columns the per-step estimate covers: weight matrices and kernels (>= 2-D), not sharded,
     contiguous (their flattened view shares their memory)."""
-    return np.array([j for j in columns if params[j].ndim >= 2 and not is_dtensor(params[j])
-                     and params[j].is_contiguous()], dtype=np.int64)  # fmt: skip
+    return np.array([j for j, p in enumerate(params) if p.ndim >= 2 and not is_dtensor(p) and p.is_contiguous()],
+                    dtype=np.int64)  # fmt: skip
 
 
 def _chunks(columns: list[int], params: list[torch.Tensor], param_layer: np.ndarray, flush_every: int) -> list[list[int]]:
