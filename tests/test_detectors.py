@@ -325,3 +325,44 @@ def test_smooth_growth_early_in_training_is_not_exploding():
     )
     assert max(norms[20:60]) > 10 * min(norms[:20]), "the run did not show the growth this test is about"
     assert _kinds(alerts, "exploding") == [], [a.message for a in alerts]
+
+
+def test_the_per_step_model_rule_flags_the_same_steps_as_the_window_rule():
+    # The model's exploding check runs at every step as scalars (HealthChecks._model_exploding,
+    # ~1 us; the array rule costs ~70 us a call); the layers' and the flush-time rule is
+    # _explosions. Both are fed the same series, one step at a time, and must agree on every
+    # step, threshold and reason: a high start that settles with a jump in its warm-up, noise,
+    # a 20x spike, a dip and a rise back (the settled median's call), smooth 1.15x growth, NaN
+    # steps, a 28x step after the growth, a value above the absolute ceiling.
+    import numpy as np
+
+    from gradwatch.detectors import HealthChecks
+    from gradwatch.readback import StepSummary
+
+    rng = np.random.default_rng(3)
+    series = list(50.0 * np.exp(-np.arange(30) / 5.0) + 1.0)  # high start, settling at ~1
+    series[15] = 2e4 * series[14]  # a jump inside the warm-up (below the absolute ceiling)
+    series += list(1.0 + 0.1 * rng.random(40))  # noise
+    series += [20.0] + list(1.0 + 0.1 * rng.random(10))  # a spike, then calm again
+    series += [0.2] * 10 + [3.0]  # a dip, then 15x the dip but 3x the settled level: the median's call
+    series += list(1.15 ** np.arange(20))  # smooth growth: raises its own bar
+    series += [float("nan"), 2.0, 400.0, 2.0, float("nan"), 2e6, 2.0]  # non-finite, 28x the level, the ceiling
+    layers = ["a", "b"]
+    none = np.zeros(len(layers), dtype=bool)
+    per_step = HealthChecks(HealthConfig(), layers)
+    per_step.model_per_step = True
+    window_rule = HealthChecks(HealthConfig(), layers)
+    scalar_findings, array_findings = [], []
+    for step, value in enumerate(series):
+        scalar_findings += per_step.judge_step(step, StepSummary(True, value, none, none, 0.0), [], False)
+        table = np.full((1, len(layers) + 1), np.nan)
+        table[0, -1] = value
+        array_findings += window_rule._explosions(table, [step], step, [len(layers)])
+
+    def described(findings):
+        return [(f.kind, f.step, f.layer, f.value, f.detail) for f in findings]
+
+    assert [f.step for f in array_findings] == [15, 70, 114, 117], described(array_findings)  # the pathologies
+    assert described(scalar_findings) == described(array_findings)
+    for mine, theirs in zip(scalar_findings, array_findings):
+        assert mine.threshold == pytest.approx(theirs.threshold, rel=1e-12)
