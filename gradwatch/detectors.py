@@ -364,6 +364,29 @@ class HealthChecks:
                 if f.value == 0 and pending is not None and not pending.any():
                     explained.add(f.layer)
         by_position = {position[f.layer]: f for f in dead}
+        # A completely dead layer passes no gradient back: a completely dead layer right before it
+        # has an all-zero output gradient because of it, whatever its own units do. The last of
+        # such a run is the root (from the last layer back, so a run of any length has one root).
+        roots: dict[int, Finding] = {}
+        behind: dict[str, list[str]] = {}
+        for i in sorted(by_position, reverse=True):
+            f = by_position[i]
+            if f.value < 0.999:
+                continue
+            root = roots.get(i + 1)
+            if root is None:
+                roots[i] = f
+                continue
+            roots[i] = root
+            behind.setdefault(root.layer, []).append(f.layer)
+            explained.add(f.layer)
+            by_position.pop(i)
+        for layer, names in behind.items():
+            root = next(f for f in by_position.values() if f.layer == layer)
+            root.detail += (
+                f"; it passes no gradient back, so the all-zero output gradient of {_describe(list(reversed(names)))} "
+                f"before it follows from it"
+            )
         for i in sorted(by_position):
             root, successor = by_position.get(i), by_position.get(i + 1)
             if root is not None and root.value >= 0.999 and successor is not None:

@@ -16,13 +16,15 @@ from .detectors import Assessment, HealthChecks, normalises_step
 from .compiled import unwrap
 from .hooks import HookSet
 from .layers import discover_layers
-from .layout import SYNC_VOTE
+from .layout import STEP_FAILED, SYNC_VOTE
+from .mesh import MeshLayout, conflicts, describe_rank
 from .readback import StepReadback, forward_order, summarize
 from .param_stats import ModelMoved
 from .recorder import Recorder
 from .sinks.metrics import describe, window_metrics
 from .sinks.tensorboard import TensorBoardSink
 from .failures import FailureLog
+from .tensor_parallel import output_shares
 from .updates import UpdateRatio
 from .window import Window
 
@@ -90,6 +92,10 @@ class GradMonitor:
         world = _dist_world_size()
         self._rank = _dist_rank()
         self._sync_dist = world > 1 if sync_dist is None else (sync_dist and world > 1)
+        # Tensor parallelism: a split layer's taps judge this rank's slice of its units.
+        self._output_shares = output_shares(model, self._layer_specs) if self._sync_dist else None
+        #: the union of every rank's layers, when the ranks hold different ones or share outputs
+        self._mesh: MeshLayout | None = None
         is_writer = self._rank == 0  # only rank 0 writes
 
         # A weak reference: the hooks hold the recorder, and the recorder must not keep
@@ -146,7 +152,8 @@ class GradMonitor:
         # waits for the device. Not for sharded parameters: each rank's values are partial until
         # the flush's reduction, and a per-step decision (stop_on) must be the same on every rank.
         self._readback = StepReadback(self._recorder.layout, host_path=self._recorder.param_stats.counts_every_step)
-        self._per_step = self._readback.available and not self._recorder.param_stats.sharded
+        # Nor when the ranks hold different layers (pipeline stages, tensor parallelism).
+        self._per_step = self._readback.available and not self._recorder.param_stats.sharded and self._mesh is None
         self._checks.model_per_step = self._per_step
         self._previous_forward: np.ndarray | None = None  # the last judged step's running forward sums
         self._alerts_since_flush: list[Alert] = []  # raised by step() since the last flush, for its text
@@ -361,9 +368,17 @@ class GradMonitor:
             except Exception:
                 pass
         synced = False
+        mesh = self._mesh
+        if mesh is not None:  # this rank's layers into the union of every rank's
+            try:
+                mesh.gather(combined=self._sync_dist)
+            except Exception as exc:  # still reach the collective: the window is marked failed
+                self._failures.failed("preparing a flush", exc, "this window's statistics are dropped")
+                mesh.buffer.zero_()
+                mesh.buffer[STEP_FAILED].fill_(1)
         if self._sync_dist:
             try:
-                recorder.buffer.all_reduce(vote=SYNC_VOTE)
+                (mesh.buffer if mesh is not None else recorder.buffer).all_reduce(vote=SYNC_VOTE)
                 synced = True
             except Exception as exc:  # failed twice on this rank: nothing better than going local
                 self._sync_dist = False
@@ -372,7 +387,8 @@ class GradMonitor:
                 )
         try:
             window = recorder.snapshot(
-                steps, self.config.dead_eps, scaler_in_use=self._scaler is not None and self._scaler.is_enabled()
+                steps, self.config.dead_eps, scaler_in_use=self._scaler is not None and self._scaler.is_enabled(),
+                layout=mesh,
             )
         except Exception as exc:
             self._failures.failed("reading the statistics", exc, "this window is dropped")
@@ -535,33 +551,41 @@ class GradMonitor:
         return scaler._scale  # a device tensor; get_scale() would synchronise
 
     def _agree_on_layout(self) -> None:
-        """One collective at attach: every rank must hold the same state layout, or sync goes off.
+        """One collective at attach: every rank describes the layers it holds, and all agree on one layout.
 
-        The layout is built from the model's structure, so identical models agree by
-        construction; ranks that monitor different layers (a different model, other
-        include/exclude patterns) would otherwise reduce unrelated values or abort.
+        Ranks holding the same layers (data parallelism, FSDP2) keep their own layout: identical by
+        construction. Ranks holding different layers (pipeline stages) or sharing layer outputs
+        (tensor parallelism) reduce into the union of every rank's layers (``mesh.py``). A layer
+        name held with different units or parameter shapes on two ranks cannot be combined: each
+        rank then reports its own statistics.
         """
-        import zlib
-
         import torch.distributed as dist
 
-        layout = repr((self._names, self._recorder.buffer.layout())).encode()
-        fingerprint = zlib.crc32(layout)
+        recorder = self._recorder
+        mine = describe_rank(self._layer_specs, recorder.param_stats, recorder.layout, self._output_shares)
         try:
-            probe = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=self._recorder.device)
-            dist.all_reduce(probe, op=dist.ReduceOp.MAX)
-            high, neg_low = probe.tolist()
+            ranks: list[Any] = [None] * _dist_world_size()
+            dist.all_gather_object(ranks, mine)
         except Exception as exc:
             self._sync_dist = False
             self._failures.failed("agreeing on a layout across ranks", exc, "each rank reports its own statistics")
             return
-        if high != fingerprint or -neg_low != fingerprint:
+        mismatched = conflicts(ranks)
+        if mismatched:
             self._sync_dist = False
             log.warning(
-                "gradwatch: the ranks monitor different layers (layout fingerprints differ); statistics are "
-                "not combined across ranks: each rank reports its own and only rank 0 writes. Attach the "
-                "monitor to the same model with the same include/exclude on every rank."
-            )
+                "gradwatch: the same layer name has different units or parameters on different ranks (%s%s), so "
+                "statistics cannot be combined across ranks: each rank reports its own and only rank 0 writes. "
+                "Give every rank the same model structure and names: for pipeline stages, build the full model "
+                "and delete the layers outside each stage (names stay those of the full model); ranks may "
+                "monitor different layers, but a name must mean the same layer everywhere.",
+                "; ".join(mismatched[:3]), " ..." if len(mismatched) > 3 else "",
+            )  # fmt: skip
+            return
+        if all(r.signature() == mine.signature() for r in ranks) and self._output_shares is None:
+            return  # the same layers everywhere: the rank's own layout is the shared one
+        self._mesh = MeshLayout(ranks, self._rank, recorder.layout)
+        self._names = list(self._mesh.names)
 
 
 def check_settings(flush_every: Any, config: Any, detail: Any) -> HealthConfig:

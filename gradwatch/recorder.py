@@ -194,11 +194,15 @@ class Recorder:
         self._report_tap_failure()
         self.buffer.load_host_states()
 
-    def snapshot(self, steps: list[int], dead_eps: float, scaler_in_use: bool) -> Window:
-        """The window on the host, decoded from the (reduced) buffer: one device-to-host copy."""
-        host = self.buffer.to_host()
+    def snapshot(self, steps: list[int], dead_eps: float, scaler_in_use: bool, layout: Layout | None = None) -> Window:
+        """The window on the host, decoded from the (reduced) buffer: one device-to-host copy.
+
+        ``layout``: the one whose buffer was reduced (a ``mesh.MeshLayout``), if not this rank's own.
+        """
+        layout = self.layout if layout is None else layout
+        host = layout.buffer.to_host()
         self.last_vote = bool(host[SYNC_VOTE][0] > 0)  # a rank's collective failed at this flush
-        return build_window(host, steps, self.layout, self.update_steps, dead_eps, scaler_in_use)
+        return build_window(host, steps, layout, self.update_steps, dead_eps, scaler_in_use)
 
     def reset_window(self) -> None:
         """Start an empty window (after a flush)."""

@@ -47,9 +47,15 @@ def local_piece(grad: torch.Tensor, world_size: int) -> tuple[torch.Tensor, floa
 
         grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in placements])
         placements = tuple(grad.placements)
-    mesh = grad.device_mesh
+    return grad.to_local(), distinct_pieces(grad.device_mesh, placements) / world_size
+
+
+def distinct_pieces(mesh: Any, placements: tuple) -> int:
+    """How many distinct pieces a DTensor is cut into: the product of the sizes of the mesh dims
+    it is sharded on. Any placement that neither replicates nor holds pending sums shards, also
+    FSDP2's ``_StridedShard`` under tensor parallelism (whose ``is_shard()`` is False)."""
     pieces = 1
     for dim, placement in enumerate(placements):
-        if placement.is_shard():
+        if not placement.is_replicate() and not placement.is_partial():
             pieces *= mesh.size(dim)
-    return grad.to_local(), pieces / world_size
+    return pieces

@@ -10,8 +10,10 @@ output gradient on that rank. Each rank records, with its own tensor hooks, the
 squared norm of every output gradient per step and which units ever had a
 non-zero gradient per window, next to what gradwatch reports after each flush.
 
-Modes: ``mismatch`` monitors ``expert`` on rank 0 only (include/exclude differ, so
-the layouts differ); ``fail`` makes recording raise on rank 1 at step 4.
+Modes: ``subset`` monitors ``expert`` on rank 0 only (include/exclude differ: the ranks agree
+on the union of their layers), and turns reduction off after the first window; ``mismatch`` gives rank 1 an ``expert`` of another width (the
+same name for a different layer: statistics cannot be combined); ``fail`` makes recording
+raise on rank 1 at step 4.
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ def body(rank: int, world: int) -> dict:
     logging.getLogger("gradwatch").addHandler(Collect())
     torch.manual_seed(0)
     model = Routed()
-    exclude = "expert" if mode == "mismatch" and rank == 1 else None
+    if mode == "mismatch" and rank == 1:
+        model.expert = nn.Linear(8, 5)  # never run on rank 1
+    exclude = "expert" if mode == "subset" and rank == 1 else None
     monitor = GradMonitor(model, flush_every=FLUSH_EVERY, exclude=exclude, detail="full")
     if mode == "fail" and rank == 1:
         record, calls = monitor._recorder.param_stats.record, [0]
@@ -133,6 +137,8 @@ def body(rank: int, world: int) -> dict:
                 "alerts": [a.kind for a in alerts],
             })  # fmt: skip
             alive = {name: None for name in LAYERS}
+            if mode == "subset":
+                monitor.sync_dist = False  # the second window: each rank its own, in the union's layout
     sync = monitor.sync_dist
     monitor.close()
     if mode == "collective":

@@ -41,14 +41,34 @@ def test_conditional_compute_and_different_call_orders_across_ranks(tmp_path):
     assert all(r["sync_dist"] for r in ranks)
 
 
-def test_ranks_monitoring_different_layers_fall_back_to_local_statistics(tmp_path):
+def test_ranks_monitoring_different_layers_agree_on_their_union(tmp_path):
+    # rank 1 excludes expert: both ranks still see every layer, each combined over the ranks holding it
+    ranks = spawn("tests.conditional_worker", 2, str(tmp_path / "out"), "subset")
+    for r in ranks:
+        assert not r["warnings"], r["warnings"]
+        w = r["windows"][0]
+        assert w["dead_fraction"]["gate"] == 0.25  # combined over both ranks, as in the usual case
+        expert = [math.sqrt(ranks[0]["steps"][s]["expert"]) for s in w["steps"]]  # rank 0 alone holds it
+        assert w["out_grad_norm"]["expert"] == pytest.approx(expert, rel=1e-6)
+        gate = [math.sqrt(sum(q["steps"][s]["gate"] for q in ranks)) for s in w["steps"]]
+        assert w["out_grad_norm"]["gate"] == pytest.approx(gate, rel=1e-6)
+    # reduction turned off after the first window: each rank its own values, in the same layout
+    for r, own_dead in zip(ranks, (0.5, 0.25)):
+        w = r["windows"][1]
+        assert w["dead_fraction"]["gate"] == own_dead
+        gate = [math.sqrt(r["steps"][s]["gate"]) for s in w["steps"]]
+        assert w["out_grad_norm"]["gate"] == pytest.approx(gate, rel=1e-6)
+    assert all(math.isnan(v) for v in ranks[1]["windows"][1]["out_grad_norm"]["expert"])  # not held by rank 1
+
+
+def test_the_same_layer_name_with_different_shapes_falls_back_to_local_statistics(tmp_path):
     ranks = spawn("tests.conditional_worker", 2, str(tmp_path / "out"), "mismatch")
     for r in ranks:
         assert r["sync_dist"] is False
-        assert any("different layers" in m for m in r["warnings"]), r["warnings"]
+        warning = next(m for m in r["warnings"] if "different units or parameters" in m)
+        assert "expert: 6 units" in warning and "5 units" in warning, warning
     # each rank reports its own: rank 0's gate sees only its own 4 dead units of 8
     assert ranks[0]["windows"][0]["dead_fraction"]["gate"] == 0.5
-    assert "expert" not in ranks[1]["windows"][0]["dead_fraction"]
 
 
 def test_a_failure_on_one_rank_leaves_no_rank_waiting(tmp_path):

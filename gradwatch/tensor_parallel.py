@@ -1,0 +1,127 @@
+"""Tensor parallelism: which layers' outputs are split across ranks, and which are repeated.
+
+``parallelize_module`` turns a layer's parameters into DTensors on a tensor-parallel
+mesh. Its output then comes in one of two forms, which decide how the ranks' output
+statistics combine:
+
+- **split** (``ColwiseParallel``: the weight is ``Shard`` on its unit dim, dim 0 of a
+  Linear or conv weight, dim 1 of an Embedding's): each rank holds a slice of the
+  units. Sums of squares add up over the slices, and each rank's per-unit evidence
+  belongs to its own units, at its offset in the layer.
+- **repeated** (``RowwiseParallel`` after its all-reduce, and every layer whose
+  parameters are plain tensors or replicated): every rank of the group holds the
+  same output, which must be counted once.
+
+Either way every rank of the group saw the same batch rows, so output-gradient calls
+and samples are counted once per group. Under FSDP2 on top (a 2-D data x tensor mesh)
+the tensor-parallel placement is the one FSDP keeps for the unsharded parameter; FSDP's
+own dim is data parallelism, whose ranks see different data and add up.
+
+Sequence parallelism (norms fed token slices) is not told apart from a repeated
+output: its output-gradient norms are counted once per group, not summed (a limit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from .layers import LayerSpec
+from .sharding import is_dtensor
+
+
+@dataclass
+class OutputShare:
+    """How one layer's output is spread over its tensor-parallel group, seen from this rank."""
+
+    units: int  # the layer's units (whole layer)
+    unit_offset: int = 0  # where this rank's units start in the layer
+    #: weight of this rank's output-gradient sum of squares and unit evidence in a world-wide sum
+    out_weight: float = 1.0
+    #: weight of its output-gradient calls, samples and forward sums (the group saw one batch)
+    count_weight: float = 1.0
+
+    @property
+    def split(self) -> bool:
+        return self.out_weight != self.count_weight
+
+
+def output_shares(model: nn.Module, layers: list[LayerSpec]) -> list[OutputShare] | None:
+    """Per layer, how its output is shared over tensor-parallel ranks; None without tensor parallelism.
+
+    Sets ``layer.units`` of a split layer to this rank's slice, so that its taps judge the
+    output the rank really holds.
+    """
+    fsdp_specs = _fsdp_tensor_parallel_specs(model)
+    specs = [_layer_spec(layer, fsdp_specs) for layer in layers]
+    group = max((spec.mesh.size() for spec in specs if spec is not None), default=1)
+    if group == 1:
+        return None
+    shares = []
+    for layer, spec in zip(layers, specs):
+        share = OutputShare(units=layer.units, out_weight=1.0 / group, count_weight=1.0 / group)
+        if spec is not None:
+            _split_units(layer, spec, share)
+        shares.append(share)
+    return shares
+
+
+def _split_units(layer: LayerSpec, spec: Any, share: OutputShare) -> None:
+    """A layer whose weight is sharded on its unit dim: this rank's units and their weight."""
+    weight = _weight(layer)
+    dim = 1 if isinstance(layer.module, nn.Embedding) else 0
+    if weight.ndim <= dim or layer.units == 0 or weight.shape[dim] != layer.units:
+        return
+    mesh, placements = spec.mesh, spec.placements
+    pieces = 1
+    for mesh_dim, placement in enumerate(placements):
+        if placement.is_shard(dim):
+            pieces *= mesh.size(mesh_dim)
+    if pieces == 1:
+        return
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, offset = compute_local_shape_and_global_offset(tuple(weight.shape), mesh, placements)
+    share.out_weight = pieces / mesh.size()
+    share.count_weight = 1.0 / mesh.size()
+    share.unit_offset = int(offset[dim])
+    layer.units = int(local_shape[dim])
+
+
+def _weight(layer: LayerSpec) -> Any:
+    """The layer's weight: its first parameter of two dims or more, else its first."""
+    return next((p for p in layer.params if p.ndim >= 2), layer.params[0])
+
+
+def _layer_spec(layer: LayerSpec, fsdp_specs: dict[int, Any]) -> Any:
+    """The tensor-parallel DTensorSpec of the layer's weight (mesh and placements), or None."""
+    weight = _weight(layer)
+    if id(weight) in fsdp_specs:
+        return fsdp_specs[id(weight)]
+    return weight._spec if is_dtensor(weight) else None
+
+
+def _fsdp_tensor_parallel_specs(model: nn.Module) -> dict[int, Any]:
+    """id(parameter) -> the tensor-parallel spec FSDP2 keeps for it (None: FSDP alone shards it).
+
+    FSDP2 shards parameters on its own data-parallel mesh dim; the placements that describe
+    tensor parallelism are those of the parameter it was given. Read from FSDP2's parameter
+    group (private API): when that changes, FSDP2 parameters count as not tensor parallel.
+    """
+    specs: dict[int, Any] = {}
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return specs
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        try:
+            group = module._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                specs[id(fsdp_param.sharded_param)] = getattr(fsdp_param, "_unsharded_dtensor_spec", None)
+        except Exception:
+            continue
+    return specs
