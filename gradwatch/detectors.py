@@ -80,11 +80,15 @@ class HealthChecks:
         self.rms_history = np.full((_VANISHING_STEPS, n), np.nan)
         self.ratio_history = np.full((_VANISHING_STEPS, n), np.nan)
         self.history_slot = 0
+        #: Per layer: the highest median gradient RMS it has had (a collapse is judged against it).
+        self.rms_peak = np.full(n, np.nan)
         # Dead-unit evidence carried across windows until a layer has seen dead_min_samples rows
         # from at least _DEAD_MIN_STEPS distinct steps.
         self.alive: list[np.ndarray | None] = [None] * n
         self.rows = np.zeros(n, dtype=np.int64)
         self.dead_steps = np.zeros(n, dtype=np.int64)
+        #: Layers whose sampled steps said dead: judged again on every step of the next window(s).
+        self.confirming = np.zeros(n, dtype=bool)
         self.steps_seen = 0
         self.skipped_steps = 0
         # Per layer: consecutive measured optimizer steps with a judged update ratio above the limit,
@@ -247,8 +251,11 @@ class HealthChecks:
         """Vanishing on a layer's last steps (a rolling median, whatever flush_every is).
 
         With an optimizer that normalises its step (Adam and friends), a small gradient
-        still moves the weights: only the absolute floor applies. Otherwise a layer five
-        decades below the strongest layer no longer learns either.
+        still moves the weights: of the comparisons with other layers only the absolute floor
+        applies. Otherwise a layer five decades below the strongest layer no longer learns either.
+        With any optimizer, a layer whose gradient collapsed five decades below its own highest
+        level has lost its training signal (a saturated gate, a cut path): even Adam's step then
+        shrinks, once the gradient falls under its eps.
         """
         cfg = self.config
         rms = np.where(valid, w.grad_rms, np.nan)
@@ -269,6 +276,10 @@ class HealthChecks:
             med_ratio = np.where(known, np.nanmedian(self.ratio_history, axis=0), np.nan)
             below_abs = med_rms < cfg.vanishing_abs_rms
             clear_abs = med_rms >= _VANISHING_CLEAR * cfg.vanishing_abs_rms
+            peak = self.rms_peak
+            collapsed = np.isfinite(peak) & (peak > 0) & (med_rms < cfg.vanishing_rel_rms * peak)
+            clear_own = ~(med_rms < _VANISHING_CLEAR * cfg.vanishing_rel_rms * peak)
+            self.rms_peak = np.where(np.isfinite(med_rms), np.fmax(peak, med_rms), peak)
             if self.normalised_steps:
                 below_rel = np.zeros_like(below_abs)
                 clear_rel = np.ones_like(clear_abs)
@@ -278,24 +289,39 @@ class HealthChecks:
         # Only layers with a gradient in this window are judged (frozen or unused ones never vanish).
         seen = valid.any(axis=0)
         findings = []
-        for i in np.flatnonzero((below_abs | below_rel) & seen):
-            detail = (
-                f"median gradient RMS {med_rms[i]:.3g} over its last steps is {med_ratio[i]:.3g} of the "
-                "strongest layer's" if np.isfinite(med_ratio[i]) and med_rms[i] > 0 else "its gradient is zero"
-            )
-            if self.normalised_steps:
+        for i in np.flatnonzero((below_abs | below_rel | collapsed) & seen):
+            if med_rms[i] <= 0 or not np.isfinite(med_ratio[i]):
+                detail = "its gradient is zero"
+            elif below_abs[i] or below_rel[i]:
+                detail = f"median gradient RMS {med_rms[i]:.3g} over its last steps is {med_ratio[i]:.3g} of the strongest layer's"
+            else:
+                detail = f"median gradient RMS {med_rms[i]:.3g} over its last steps is {med_rms[i] / peak[i]:.3g} of its own earlier level {peak[i]:.3g}"
+            if self.normalised_steps and below_abs[i]:
                 detail += "; below what the optimizer's normalised step can use"
-            threshold = cfg.vanishing_abs_rms if below_abs[i] or self.normalised_steps else cfg.vanishing_rel_rms
+            threshold = cfg.vanishing_abs_rms if below_abs[i] or (self.normalised_steps and not collapsed[i]) else cfg.vanishing_rel_rms
             findings.append(Finding("vanishing", self.layers[i], w.steps[-1], float(med_rms[i]), threshold, detail))
-        result.clear.update(("vanishing", self.layers[i]) for i in np.flatnonzero(clear_abs & clear_rel & seen))
+        result.clear.update(("vanishing", self.layers[i]) for i in np.flatnonzero(clear_abs & clear_rel & clear_own & seen))
         return findings
 
+    @property
+    def wants_every_step(self) -> bool:
+        """Whether the next window should record every statistic at every step (dead units to confirm)."""
+        return bool(self.confirming.any())
+
     def _dead(self, w: Window, result: Assessment) -> list[Finding]:
-        """Dead units judged on at least dead_min_samples output-gradient rows, carried across windows."""
+        """Dead units judged on at least dead_min_samples output-gradient rows, carried across windows.
+
+        A unit silent on a few sampled steps may fire on a few percent of the rows in between: a
+        layer of such units looks half dead on the default's two sampled steps of a window and is
+        10-20% dead over all of its steps. So a layer found dead on sampled steps only is judged
+        again on every step of the next window(s) (``wants_every_step``), on fresh evidence of at
+        least dead_min_samples rows, and only that judgement raises the alert.
+        """
         cfg = self.config
         findings = []
         if w.unit_alive is None or w.rows_seen is None:
             return findings
+        every_step = w.sampled is None or bool(np.all(w.sampled))
         for i, alive in enumerate(w.unit_alive):
             if alive is None or w.rows_seen[i] == 0 or w.unit_counts[i] < cfg.dead_min_units:
                 continue
@@ -311,6 +337,10 @@ class HealthChecks:
             self.alive[i], self.rows[i], self.dead_steps[i] = None, 0, 0
             name = self.layers[i]
             units = int(w.unit_counts[i])
+            confirmed = every_step or self.confirming[i]
+            self.confirming[i] = fraction >= cfg.dead_fraction and not confirmed
+            if self.confirming[i]:
+                continue
             if fraction >= cfg.dead_fraction:
                 findings.append(
                     Finding(
@@ -358,11 +388,15 @@ class HealthChecks:
         dead = [f for f in dead if not (f.layer in vanished and _successor(order, f.layer) in vanished
                                         and not starved(_successor(order, f.layer)))]  # fmt: skip
         explained: set[str] = set()
-        for f in vanishing:  # wait for its own or a dead successor's judgement (see above)
+        for f in vanishing:  # wait for its own or a dead neighbour's judgement (see above)
             for name in (f.layer, _successor(order, f.layer)):
                 pending = self.alive[index[name]] if name is not None else None
-                if f.value == 0 and pending is not None and not pending.any():
+                confirming = name is not None and self.confirming[index[name]]
+                if f.value == 0 and (confirming or (pending is not None and not pending.any())):
                     explained.add(f.layer)
+            before = _predecessor(order, f.layer)  # a layer being confirmed dead that feeds it zeros
+            if f.value == 0 and before is not None and self.confirming[index[before]] and starved(f.layer):
+                explained.add(f.layer)
         by_position = {position[f.layer]: f for f in dead}
         # A completely dead layer passes no gradient back: a completely dead layer right before it
         # has an all-zero output gradient because of it, whatever its own units do. The last of
@@ -530,6 +564,8 @@ class HealthChecks:
             "rms_history": column_lists(self.rms_history),
             "ratio_history": column_lists(self.ratio_history),
             "history_slot": int(self.history_slot),
+            "rms_peak": _nullable(self.rms_peak),
+            "confirming": [name for name, c in zip(self.layers, self.confirming) if c],
             "steps_seen": self.steps_seen,
             "model_steps": self.model_steps,
             "skipped_steps": self.skipped_steps,
@@ -549,6 +585,9 @@ class HealthChecks:
         self.rms_history = _columns(state.get("rms_history", []), state["layers"], self.layers, _VANISHING_STEPS)
         self.ratio_history = _columns(state.get("ratio_history", []), state["layers"], self.layers, _VANISHING_STEPS)
         self.history_slot = int(state.get("history_slot", 0))
+        self.rms_peak = _by_name(state.get("rms_peak", []), state["layers"], self.layers)
+        confirming = set(state.get("confirming", []))
+        self.confirming = np.array([n in confirming for n in self.layers], dtype=bool)
         self.steps_seen = int(state["steps_seen"])
         self.model_steps = int(state.get("model_steps", self.steps_seen))
         self.skipped_steps = int(state.get("skipped_steps", 0))
@@ -605,6 +644,11 @@ def _forward_order(w: Window) -> list[str]:
 def _successor(layers: list[str], name: str) -> str | None:
     i = layers.index(name)
     return layers[i + 1] if i + 1 < len(layers) else None
+
+
+def _predecessor(layers: list[str], name: str) -> str | None:
+    i = layers.index(name) if name in layers else 0
+    return layers[i - 1] if i > 0 else None
 
 
 def _describe(names: list[str]) -> str:

@@ -98,7 +98,16 @@ class Layout:
         # every sample_every-th: every window has output-gradient statistics, and dead units are
         # judged on at least two distinct steps at the window's own flush.
         self.sample_every = max(1, int(sample_every))
-        self.sampled_slots = (np.arange(F) % self.sample_every == 0) | (np.arange(F) == 1)
+        self._planned_slots = (np.arange(F) % self.sample_every == 0) | (np.arange(F) == 1)
+        self._every_slot = np.ones(F, dtype=bool)
+        #: This window records every statistic at every step (set between windows: the dead-unit
+        #: check asks for one when the sampled steps' evidence must be confirmed on all of them).
+        self.full_window = False
+
+    @property
+    def sampled_slots(self) -> np.ndarray:
+        """[flush_every] bool: the slots of the current window that record every statistic."""
+        return self._every_slot if self.full_window else self._planned_slots
 
     def is_sampled(self, slot: int) -> bool:
         """Whether step ``slot`` of a window records every statistic (past the window: the next one's slot 0)."""

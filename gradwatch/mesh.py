@@ -142,7 +142,6 @@ class MeshLayout:
         mine = ranks[rank]
         self.flush_every = local.flush_every
         self.device = local.device
-        self.sampled_slots = local.sampled_slots
         self.sample_every = local.sample_every
         self.counts_every_step = all(r.counts_every_step for r in ranks)
         self.track_updates = any(r.track_updates for r in ranks)
@@ -241,6 +240,10 @@ class MeshLayout:
             buffer.add_state(SAMPLE_UPDATE_SQ, (F, len(sample_order)), "sum")
             buffer.add_state(SAMPLE_WEIGHT_SQ, (F, len(sample_order)), "sum")
         buffer.freeze()
+
+    @property
+    def sampled_slots(self) -> np.ndarray:
+        return self._local.sampled_slots
 
     def is_sampled(self, slot: int) -> bool:
         return self._local.is_sampled(slot)

@@ -327,6 +327,8 @@ class GradMonitor:
             return []
         self._open_own_writer()
         assessment = self._guarded("the health checks", lambda: self._checks.check(window), Assessment())
+        # Dead units seen on sampled steps only are confirmed on every step of the next window.
+        self._recorder.layout.full_window = self._checks.wants_every_step
         last_step = max(steps + window.update_steps)
         new = early + self._guarded("alert tracking", lambda: self._tracker.update(assessment, last_step), [])
         # The window's text and heatmap show every alert of its steps, those step() raised too.

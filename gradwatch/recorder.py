@@ -68,13 +68,17 @@ class Recorder:
         self._moves = [_CellMoves(cells, self.layout) for cells in self.cells.devices]
         # Unsampled steps leave max |g| (and, on accelerators, the non-finite count) out.
         sq_host = buffer.host_view(PARAM_SQ)  # CPU buffers: numpy views made once
-        sampled = self.layout.sampled_slots
-        self._param_rows = [
-            StepRows(buffer.row(PARAM_SQ, t), buffer.row(PARAM_MAX, t) if sampled[t] else None,
-                     buffer.row(PARAM_NONFINITE, t), count=bool(sampled[t]),
-                     sq_host=None if sq_host is None else sq_host[t])
-            for t in range(flush_every)
-        ]  # fmt: skip
+
+        def rows(sampled: np.ndarray) -> list[StepRows]:
+            return [
+                StepRows(buffer.row(PARAM_SQ, t), buffer.row(PARAM_MAX, t) if sampled[t] else None,
+                         buffer.row(PARAM_NONFINITE, t), count=bool(sampled[t]),
+                         sq_host=None if sq_host is None else sq_host[t])
+                for t in range(flush_every)
+            ]  # fmt: skip
+
+        self._param_rows = rows(self.layout.sampled_slots)
+        self._full_rows = rows(np.ones(flush_every, dtype=bool))  # a window of every statistic at every step
 
     @property
     def nbytes(self) -> int:
@@ -123,7 +127,7 @@ class Recorder:
                 scale = scale.to(self._dtype)
             for moves in self._moves:
                 moves.into_row(slot, sampled, scale, self._units_window, not self.project_units)
-            rows = self._param_rows[slot]
+            rows = (self._full_rows if self.layout.full_window else self._param_rows)[slot]
             self.param_stats.record(rows, self._host[PARAM_PRESENT][slot])
             if params_scaled and scale is not None:
                 rows.sq.div_(scale.square())

@@ -242,14 +242,17 @@ def test_a_dead_fraction_hovering_around_the_threshold_is_one_condition():
 
 
 def test_a_long_collapsing_run_has_at_most_two_onsets_per_layer_and_kind():
-    # a narrow ReLU MLP regressed towards zero: gradients shrink and units die slowly
+    # a narrow ReLU MLP regressed towards zero under strong weight decay: gradients shrink over
+    # decades and units die slowly (real: detail="full" finds the same conditions). Without the
+    # weight decay the units do not die, and the dead_units alert the default once raised on this
+    # run came from two sampled steps only.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 6), nn.ReLU(),
                           nn.Linear(6, 1))  # fmt: skip
     x = torch.randn(256, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, weight_decay=0.05)
     monitor = GradMonitor(model, flush_every=50, optimizer=opt)
-    for _ in range(15000):
+    for _ in range(6000):
         idx = torch.randint(0, 256, (16,))
         model(x[idx]).square().mean().backward()
         monitor.step()
@@ -364,3 +367,82 @@ def test_dead_channels_are_judged_on_images_not_on_positions():
     dead = [a for a in monitor.alerts if a.kind == "dead_units"]
     assert [(a.layer, a.step) for a in dead] == [("0", 7)]
     assert "32 samples of 8 steps" in dead[0].message
+
+
+# ------------------------------------------------------------ dead units judged on evidence that represents the window
+def _rarely_active_layer():
+    """64 ReLU units, each active on about 1% of rows (pre-activation ~ N(0, 1) - 2.33)."""
+    torch.manual_seed(0)
+    gate = nn.Linear(16, 64)
+    with torch.no_grad():
+        gate.weight.normal_(0, 0.25)  # unit variance for x ~ N(0, I_16)
+        gate.bias.fill_(-2.33)
+    return gate, nn.Sequential(gate, nn.ReLU(), nn.Linear(64, 1))
+
+
+def test_units_firing_on_few_rows_are_not_called_dead_from_the_sampled_steps():
+    # The default records dead-unit evidence on 2 steps of each 25-step window: 64 rows, on which
+    # about half of these units never fire. Over every step of a window (800 rows) 10-20% are silent.
+    gate, model = _rarely_active_layer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the layer stays as it is
+    monitor = GradMonitor(model, flush_every=25, optimizer=opt)
+    silent = []
+    alive = torch.zeros(64, dtype=torch.bool)
+    for step in range(100):
+        x = torch.randn(32, 16)
+        alive |= (gate(x) > 0).any(0)  # the test's own count: a ReLU unit passes gradient where it fires
+        model(x).sum().backward()
+        monitor.step()
+        opt.step()
+        opt.zero_grad()
+        if step % 25 == 24:
+            silent.append(1 - alive.double().mean().item())
+            alive[:] = False
+    monitor.close()
+    assert max(silent) < 0.3, silent  # the layer is not dead over any window
+    assert [a for a in monitor.alerts if a.kind == "dead_units"] == []
+
+
+def test_a_layer_dead_on_the_sampled_steps_is_confirmed_on_every_step_of_the_next_window():
+    gate, model = _rarely_active_layer()
+    with torch.no_grad():
+        gate.bias[:48] = -100.0  # 48 of 64 units dead for good
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = GradMonitor(model, flush_every=25, optimizer=opt)
+    recorded = []
+    for step in range(50):
+        model(torch.randn(32, 16)).sum().backward()
+        monitor.step()
+        recorded.append(monitor.last_window.sampled.copy() if step in (24, 49) else None)
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    first, second = recorded[24], recorded[49]
+    assert first.sum() == 2 and second.all()  # the second window recorded every step
+    dead = [a for a in monitor.alerts if a.kind == "dead_units"]
+    assert [(a.layer, a.step) for a in dead] == [("0", 49)] and dead[0].value >= 48 / 64
+
+
+# ------------------------------------------------------------ vanishing under a normalising optimizer
+def test_a_gradient_collapsing_five_decades_is_vanishing_under_adam_too():
+    # A saturated gate from step 30 on: the gradient reaching layer 0's output x 1e-7. Adam's
+    # step normalises the gradient away until it falls under its eps, so no comparison with the
+    # other layers can tell; the collapse against the layer's own level does.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    scale = [1.0]
+
+    def gate(module, args, out):
+        out.register_hook(lambda g: g * scale[0])
+
+    model[0].register_forward_hook(gate)
+
+    def hook(step, loss):
+        if step == 30:
+            scale[0] = 1e-7
+        return loss
+
+    monitor = _run(model, steps=80, lr=1e-3, loss_hook=hook)
+    vanishing = [a for a in monitor.alerts if a.kind == "vanishing"]
+    assert [a.layer for a in vanishing] == ["0"], [a.message for a in monitor.alerts]
+    assert vanishing[0].step >= 30 and "own earlier level" in vanishing[0].message
