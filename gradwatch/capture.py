@@ -234,7 +234,9 @@ class OutputTap:
         sampling = self.plan.sampling
         _set_grad_enabled(False)
         try:
-            self.forward_sum.add_(out.sum(dtype=dtype))
+            # A DTensor output (SequenceParallel keeps one): this rank's piece (mesh.py combines them).
+            local = out.to_local() if _DTensor is not None and isinstance(out, _DTensor) else out
+            self.forward_sum.add_(local.sum(dtype=dtype))
             if sampling:
                 # Forward order: the clock counts down, so a layer's first call keeps the largest value.
                 self.first_call.clamp_min_(self.clock)
@@ -265,7 +267,7 @@ class OutputTap:
         grad_mode = torch.is_grad_enabled()  # on only in a backward with create_graph=True
         _set_grad_enabled(False)
         try:
-            self._record_grad(grad)
+            self._record_grad(grad.to_local() if _DTensor is not None and isinstance(grad, _DTensor) else grad)
         except Exception as exc:  # as in __call__
             self.failed(exc)
         finally:
@@ -313,6 +315,12 @@ class OutputTap:
             evidence = torch.mv(rows.t(), weights)
         self.units.addcmul_(evidence, evidence)
         self.samples.add_(float(n))
+
+
+try:  # resolved once: the taps test outputs against it without an import in traced code
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a build without distributed support
+    _DTensor = None  # type: ignore[assignment,misc]
 
 
 def inert_hook(module: torch.nn.Module, args: Any, output: Any) -> None:

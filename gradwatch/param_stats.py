@@ -39,7 +39,7 @@ import torch
 
 from .devices import foreach_norm, host_to_device
 from .layers import LayerSpec
-from .sharding import is_dtensor, local_piece
+from .sharding import is_dtensor, is_partial, local_piece, reduce_partial
 
 log = logging.getLogger("gradwatch")
 
@@ -334,6 +334,8 @@ class ParamStats:
                     continue
                 column = group.cols.start + offset
                 if is_dtensor(g):
+                    if is_partial(g):  # the reduction the optimizer's step would make, made now (sharding.py)
+                        g = group.params[offset].grad = reduce_partial(g)
                     g, weight = local_piece(g, self.world_size)
                     weights.append((column, weight))
                 if g.is_sparse:

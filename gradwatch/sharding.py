@@ -16,9 +16,11 @@ twice). A plain tensor in a sharded model is replicated everywhere: weight
 1/world. Maxima need no weight (a maximum over copies is the maximum).
 
 A gradient with a ``Partial`` placement holds pending sums, whose squares do not
-add up; it is reduced to ``Replicate`` on those mesh dims first (one collective
-on that gradient, in step(); FSDP2 gradients are never Partial, tensor-parallel
-ones can be).
+add up (FSDP2 gradients are never Partial; those of the norms under sequence
+parallelism are). It is reduced to ``Replicate`` on those mesh dims in step() and
+the reduced gradient replaces ``p.grad`` (:func:`reduce_partial`): the optimizer
+would make that same reduction at its step (a Replicate parameter cannot be
+updated by a Partial gradient), so it is moved earlier, not added.
 """
 
 from __future__ import annotations
@@ -37,17 +39,25 @@ def is_dtensor(tensor: Any) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def is_partial(tensor: Any) -> bool:
+    """A DTensor holding pending sums on some mesh dim."""
+    return is_dtensor(tensor) and any(p.is_partial() for p in tensor.placements)
+
+
+def reduce_partial(grad: torch.Tensor) -> torch.Tensor:
+    """A Partial DTensor gradient reduced to Replicate on its Partial mesh dims (one collective)."""
+    from torch.distributed.tensor import Replicate
+
+    return grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
+
+
 def local_piece(grad: torch.Tensor, world_size: int) -> tuple[torch.Tensor, float]:
     """(the local tensor to reduce, its weight in a world-wide sum) for one gradient."""
     if not is_dtensor(grad):
         return grad, 1.0 / world_size
-    placements = tuple(grad.placements)
-    if any(p.is_partial() for p in placements):
-        from torch.distributed.tensor import Replicate
-
-        grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in placements])
-        placements = tuple(grad.placements)
-    return grad.to_local(), distinct_pieces(grad.device_mesh, placements) / world_size
+    if is_partial(grad):
+        grad = reduce_partial(grad)
+    return grad.to_local(), distinct_pieces(grad.device_mesh, tuple(grad.placements)) / world_size
 
 
 def distinct_pieces(mesh: Any, placements: tuple) -> int:

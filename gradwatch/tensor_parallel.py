@@ -1,28 +1,33 @@
 """Tensor parallelism: which layers' outputs are split across ranks, and which are repeated.
 
 ``parallelize_module`` turns a layer's parameters into DTensors on a tensor-parallel
-mesh. Its output then comes in one of two forms, which decide how the ranks' output
+mesh. Its output then comes in one of three forms, which decide how the ranks' output
 statistics combine:
 
-- **split** (``ColwiseParallel``: the weight is ``Shard`` on its unit dim, dim 0 of a
-  Linear or conv weight, dim 1 of an Embedding's): each rank holds a slice of the
-  units. Sums of squares add up over the slices, and each rank's per-unit evidence
-  belongs to its own units, at its offset in the layer.
-- **repeated** (``RowwiseParallel`` after its all-reduce, and every layer whose
-  parameters are plain tensors or replicated): every rank of the group holds the
-  same output, which must be counted once.
+- **split units** (``ColwiseParallel``: the weight is ``Shard`` on its unit dim, dim 0 of
+  a Linear or conv weight, dim 1 of an Embedding's, and the output stays sharded on its
+  last dim): each rank holds a slice of the units. Sums of squares add up over the
+  slices, and each rank's per-unit evidence belongs to its own units, at its offset.
+- **repeated** (``RowwiseParallel`` with its default ``Replicate`` output, and every
+  layer whose parameters are plain tensors): every rank of the group holds the same
+  output, which must be counted once.
+- **split rows** (``SequenceParallel``, and a style whose ``output_layouts`` shards
+  another dim than the last, e.g. ``RowwiseParallel(output_layouts=Shard(1))`` under
+  sequence parallelism): each rank holds other tokens of every unit, which add up like
+  data-parallel rows.
 
-Either way every rank of the group saw the same batch rows, so output-gradient calls
-and samples are counted once per group. Under FSDP2 on top (a 2-D data x tensor mesh)
-the tensor-parallel placement is the one FSDP keeps for the unsharded parameter; FSDP's
-own dim is data parallelism, whose ranks see different data and add up.
-
-Sequence parallelism (norms fed token slices) is not told apart from a repeated
-output: its output-gradient norms are counted once per group, not summed (a limit).
+Split units and repeated outputs come from one batch, so their output-gradient calls and
+samples are counted once per group. The form is read from the output layout the module's
+parallel style declared (in the forward hook ``parallelize_module`` registers: torch's
+private layout, read once at attach), else from the weight's placement (split units when
+it is sharded on its unit dim). Under FSDP2 on top (a 2-D data x tensor mesh) the
+tensor-parallel placement is the one FSDP keeps for the unsharded parameter; FSDP's own
+dim is data parallelism, whose ranks see different data and add up.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,10 +67,43 @@ def output_shares(model: nn.Module, layers: list[LayerSpec]) -> list[OutputShare
     shares = []
     for layer, spec in zip(layers, specs):
         share = OutputShare(units=layer.units, out_weight=1.0 / group, count_weight=1.0 / group)
-        if spec is not None:
+        layout = _declared_output(layer.module)
+        if layout == "rows":  # each rank holds other rows of every unit: they add up
+            share.out_weight = share.count_weight = 1.0
+        elif spec is not None and layout in (None, "units"):
             _split_units(layer, spec, share)
         shares.append(share)
     return shares
+
+
+def _declared_output(module: Any) -> str | None:
+    """How the module's parallel style lays its output out: "units" (sharded on the last dim),
+    "rows" (sharded on another dim: tokens, batch), "repeated" (Replicate), None (no style found).
+
+    ``parallelize_module`` registers a forward hook whose closure holds the style's
+    ``_prepare_output_fn`` with its ``output_layouts``; ``SequenceParallel``'s output keeps the
+    sequence sharding of its input.
+    """
+    for hook in list(getattr(module, "_forward_hooks", {}).values()):
+        for cell in getattr(hook, "__closure__", None) or ():
+            try:
+                fn = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if not isinstance(fn, functools.partial):
+                continue
+            name = getattr(fn.func, "__qualname__", "")
+            if name.endswith("SequenceParallel._prepare_output_fn"):
+                return "rows"
+            if name.endswith("Parallel._prepare_output_fn") and fn.args:
+                layouts = fn.args[0]
+                placement = layouts[0] if isinstance(layouts, (tuple, list)) and layouts else layouts
+                if getattr(placement, "is_replicate", lambda: False)():
+                    return "repeated"
+                dim = getattr(placement, "dim", None)
+                if isinstance(dim, int):
+                    return "units" if dim == -1 else "rows"
+    return None
 
 
 def _split_units(layer: LayerSpec, spec: Any, share: OutputShare) -> None:

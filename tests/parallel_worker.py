@@ -14,6 +14,11 @@ Modes:
 - ``pp_fsdp`` (4 ranks): a 2x2 ("pp", "dp") mesh, each stage sharded with FSDP2 over "dp",
   each data-parallel replica its own data.
 - ``tp`` (2 ranks): ``TPNet`` with fc1 colwise, fc2 rowwise; units 0-3 and 10 of fc1 dead.
+- ``sp`` (2 ranks): ``SPNet``, sequence parallel: the norm under ``SequenceParallel`` (its
+  gradients are ``Partial``), fc1 colwise from sequence-sharded input, fc2 rowwise back to
+  sequence-sharded output; each rank feeds its half of the sequence. An unmonitored twin trains
+  in lockstep: gradwatch's reduction of the Partial gradients in ``step()`` (the reduction the
+  optimizer would make) must not change training.
 - ``tp_dp`` (4 ranks): ``tp`` on the "tp" dim of a 2x2 ("dp", "tp") mesh, sharded with FSDP2 over
   "dp" (torchtitan's 2-D parallelism), each data-parallel replica its own data.
 
@@ -67,6 +72,32 @@ class TPNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.relu(self.fc1(x)))
+
+
+class SPNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
+SEQ = 6
+
+
+def build_sp_net() -> SPNet:
+    torch.manual_seed(0)
+    net = SPNet()
+    with torch.no_grad():
+        net.fc1.bias[[0, 1, 2, 3, 10]] = -100.0
+    return net
+
+
+def sp_batch(step: int) -> torch.Tensor:
+    return torch.randn(4, SEQ, 8, generator=torch.Generator().manual_seed(step))
 
 
 def build_net(dead: bool) -> Net:
@@ -169,7 +200,30 @@ def body(rank: int, world: int) -> dict:
     logging.getLogger("gradwatch").addHandler(Collect(level=logging.WARNING))
 
     tp_rank = replica = 0
-    if mode in ("tp", "tp_dp"):
+    twin = None
+    if mode == "sp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module,
+        )  # fmt: skip
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        tp_rank = rank
+        plan = {"norm": SequenceParallel(), "fc1": ColwiseParallel(input_layouts=Shard(1)),
+                "fc2": RowwiseParallel(output_layouts=Shard(1))}  # fmt: skip
+        model, twin = build_sp_net(), build_sp_net()
+        parallelize_module(model, mesh, plan)
+        parallelize_module(twin, mesh, dict(plan))
+        named = {"norm": model.norm, "fc1": model.fc1, "fc2": model.fc2}
+        half = SEQ // world
+
+        def run_step(step: int) -> None:
+            for m in (model, twin):
+                x = sp_batch(step)[:, half * rank : half * (rank + 1)]  # this rank's tokens
+                (m(x).square().sum() / (4 * SEQ * 8)).backward()
+
+    elif mode in ("tp", "tp_dp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -189,6 +243,9 @@ def body(rank: int, world: int) -> dict:
         model, named, run_step = build_stage(rank, world, mode)
 
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05) if twin is not None else None
+    twin_gap: list[float] = []  # max |monitored - twin| over the parameters, after each step
+    placements: list[dict[str, str]] = []  # the norm's gradient placements after monitor.step()
     refs = References(named)
     sent: list[tuple[int, dict]] = []
     monitor = GradMonitor(
@@ -205,7 +262,13 @@ def body(rank: int, world: int) -> dict:
         norms, maxima = grad_refs(named)
         before = weights(named)
         alerts = monitor.step()
+        if twin is not None:
+            placements.append({n: str(p.grad.placements) for n, p in model.norm.named_parameters()})
         opt.step()
+        if twin_opt is not None:
+            twin_opt.step()
+            twin_opt.zero_grad()
+            twin_gap.append(max(float((full(p) - full(q)).abs().max()) for p, q in zip(model.parameters(), twin.parameters())))
         after = weights(named)
         ratio = {name: float((after[name] - before[name]).norm() / before[name].norm()) for name in named}
         steps.append(
@@ -228,6 +291,8 @@ def body(rank: int, world: int) -> dict:
         "steps": steps,
         "windows": windows,
         "calls": refs.calls,
+        "twin_gap": twin_gap,
+        "norm_grad_placements": placements,
         "sent": sent if rank == 0 else [],
         "alerts": [(a.kind, a.layer, a.message) for a in monitor.alerts],
     }

@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from .dist_helpers import spawn
-from .parallel_worker import FLUSH_EVERY, MICROBATCHES, STEPS, References, batch, build_net, build_tp_net, tp_batch
+from .parallel_worker import (
+    FLUSH_EVERY, MICROBATCHES, SEQ, STEPS, References, batch, build_net, build_sp_net, build_tp_net, sp_batch, tp_batch,
+)  # fmt: skip
 
 pipelining = pytest.importorskip("torch.distributed.pipelining")
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -176,6 +178,33 @@ def test_tensor_parallel_colwise_and_rowwise_layers_count_their_outputs_once(tmp
         out_sq_ranks=lambda layer: ranks if layer == "fc1" else ranks[:1],
         unit_offsets=lambda r, layer: 8 * r["tp_rank"] if layer == "fc1" else 0,
     )  # fmt: skip
+
+
+def test_sequence_parallel_norms_and_token_sharded_outputs_give_the_full_models_values(tmp_path):
+    # The norm under SequenceParallel has Partial gradients and a token-sharded DTensor output; fc2
+    # (RowwiseParallel(output_layouts=Shard(1))) hands each rank other tokens: both add up over ranks.
+    ranks = spawn("tests.parallel_worker", 2, str(tmp_path / "out"), "sp")
+    net = build_sp_net()
+    named = {"norm": net.norm, "fc1": net.fc1, "fc2": net.fc2}
+    refs = References(named)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    sent = _sent(ranks[0])
+    for step in range(STEPS):  # the unsharded model on the whole sequence, in one process
+        (net(sp_batch(step)).square().sum() / (4 * SEQ * 8)).backward()
+        out_sq = refs.take_step()
+        for name, module in named.items():
+            norm = float(torch.cat([p.grad.reshape(-1).double() for p in module.parameters()]).norm())
+            assert sent[step][f"gradwatch/grad_norm/{name}"] == pytest.approx(norm, rel=1e-5), (step, name)
+            assert sent[step][f"gradwatch/out_grad_norm/{name}"] == pytest.approx(math.sqrt(out_sq[name]), rel=1e-5)
+        opt.step()
+        opt.zero_grad()
+    assert sent[1]["gradwatch/dead_fraction/fc1"] == pytest.approx(5 / 16)
+    for r in ranks:
+        assert r["sync_dist"] and not r["warnings"], r["warnings"]
+        # gradwatch reduced the norm's Partial gradients in step(), as the optimizer would have, and
+        # left them reduced for it: training is that of an unmonitored twin, to the bit
+        assert all(p == {"weight": "(Replicate(),)", "bias": "(Replicate(),)"} for p in r["norm_grad_placements"])
+        assert r["twin_gap"] == [0.0] * STEPS
 
 
 @needs_fully_shard
