@@ -39,7 +39,7 @@ import torch
 
 from .devices import foreach_norm, host_to_device
 from .layers import LayerSpec
-from .sharding import is_dtensor, is_partial, local_piece, reduce_partial
+from .sharding import is_dtensor, local_piece, reduce_partials
 
 log = logging.getLogger("gradwatch")
 
@@ -252,6 +252,8 @@ class ParamStats:
         self.n_layers = len(layers)
         self.world_size = max(int(world_size), 1)
         self.sharded = any(is_dtensor(p) for p in params)
+        #: DTensor parameters replicated on some mesh dim: their gradients may be Partial there
+        self._dtensors = [p for p in params if is_dtensor(p) and any(pl.is_replicate() for pl in p.placements)]
         self.device = device
         self.cpu_fast = CPU_FAST_PATH
         #: Non-finite elements are counted at every step (the CPU path's host check), not only on
@@ -318,6 +320,8 @@ class ParamStats:
         # Every Python operation here runs right after backward has evicted the interpreter's
         # working set from the caches, at ~10x its usual price: the common case is kept short.
         weights: list[tuple[int, float]] = []
+        if self._dtensors:  # Partial gradients: reduced once for all, as the optimizer would (sharding.py)
+            reduce_partials(self._dtensors)
         for group in self._groups if rows.max is not None else self._light_groups:
             key = group.key
             if key is not None and (group.params[0].dtype != key[1] or group.params[0].device != key[0]):
@@ -334,8 +338,6 @@ class ParamStats:
                     continue
                 column = group.cols.start + offset
                 if is_dtensor(g):
-                    if is_partial(g):  # the reduction the optimizer's step would make, made now (sharding.py)
-                        g = group.params[offset].grad = reduce_partial(g)
                     g, weight = local_piece(g, self.world_size)
                     weights.append((column, weight))
                 if g.is_sparse:
@@ -382,6 +384,7 @@ class ParamStats:
     def drop_references(self) -> None:
         """Forget the parameters (close())."""
         self.params = []
+        self._dtensors = []
         self._groups = []
         self._light_groups = []
 

@@ -17,10 +17,11 @@ twice). A plain tensor in a sharded model is replicated everywhere: weight
 
 A gradient with a ``Partial`` placement holds pending sums, whose squares do not
 add up (FSDP2 gradients are never Partial; those of the norms under sequence
-parallelism are). It is reduced to ``Replicate`` on those mesh dims in step() and
-the reduced gradient replaces ``p.grad`` (:func:`reduce_partial`): the optimizer
-would make that same reduction at its step (a Replicate parameter cannot be
-updated by a Partial gradient), so it is moved earlier, not added.
+parallelism are). They are reduced to ``Replicate`` in step(), all of them in one
+``all_reduce`` per mesh dim (:func:`reduce_partials`, not one collective per tensor),
+and the reduced gradients replace ``p.grad``: the optimizer would make that same
+reduction at its step (a Replicate parameter cannot be updated by a Partial
+gradient), tensor by tensor, so it is moved earlier and batched, not added.
 """
 
 from __future__ import annotations
@@ -42,6 +43,39 @@ def is_dtensor(tensor: Any) -> bool:
 def is_partial(tensor: Any) -> bool:
     """A DTensor holding pending sums on some mesh dim."""
     return is_dtensor(tensor) and any(p.is_partial() for p in tensor.placements)
+
+
+def reduce_partials(params: list[torch.nn.Parameter]) -> None:
+    """Replace every Partial(sum) DTensor gradient of ``params`` by its Replicate reduction: one
+    ``all_reduce`` per (mesh, Partial mesh dims, dtype) over all of them (other reduce ops: one
+    redistribute each)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    batches: dict[tuple, list[torch.nn.Parameter]] = {}
+    for p in params:
+        g = p.grad
+        if not is_partial(g):
+            continue
+        if any(pl.is_partial() and getattr(pl, "reduce_op", "sum") != "sum" for pl in g.placements):
+            p.grad = reduce_partial(g)
+            continue
+        dims = tuple(d for d, pl in enumerate(g.placements) if pl.is_partial())
+        batches.setdefault((id(g.device_mesh), dims, g.dtype), []).append(p)
+    for (_, dims, _), members in batches.items():
+        grads = [p.grad for p in members]
+        mesh = grads[0].device_mesh
+        pieces = [g.to_local() for g in grads]
+        flat = torch.cat([piece.reshape(-1) for piece in pieces])
+        for dim in dims:
+            dist.all_reduce(flat, group=mesh.get_group(dim))
+        offset = 0
+        for p, g, piece in zip(members, grads, pieces):
+            n = piece.numel()
+            reduced = flat[offset : offset + n].view(piece.shape)
+            offset += n
+            placements = [Replicate() if pl.is_partial() else pl for pl in g.placements]
+            p.grad = DTensor.from_local(reduced, mesh, placements, run_check=False, shape=g.shape, stride=g.stride())
 
 
 def reduce_partial(grad: torch.Tensor) -> torch.Tensor:
