@@ -27,8 +27,7 @@ reads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -73,7 +72,6 @@ class RankDescription:
     track_updates: bool
     counts_every_step: bool
     sharded: bool
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def signature(self) -> tuple:
         """Equal on two ranks exactly when they hold the same layout and no output is shared."""
@@ -115,21 +113,17 @@ def describe_rank(layers: list[LayerSpec], param_stats: ParamStats, layout: Layo
 
 def conflicts(ranks: list[RankDescription]) -> list[str]:
     """Layer names held with different units or parameter shapes on two ranks, as readable lines."""
-    seen: dict[str, tuple[int, tuple, int]] = {}
-    found = []
+    first_seen: dict[str, tuple[int, LayerDescription]] = {}
+    found: dict[str, str] = {}
     for rank, description in enumerate(ranks):
         for layer in description.layers:
-            key = (layer.units, layer.shapes)
-            if layer.name not in seen:
-                seen[layer.name] = (*key, rank)  # type: ignore[assignment]
-                continue
-            units, shapes, first = seen[layer.name]
-            if (units, shapes) != key and layer.name not in {f.split(":")[0] for f in found}:
-                found.append(
-                    f"{layer.name}: {units} units, parameter shapes {list(shapes)} on rank {first}, but "
-                    f"{layer.units} units, parameter shapes {list(layer.shapes)} on rank {rank}"
+            first_rank, first = first_seen.setdefault(layer.name, (rank, layer))
+            if (first.units, first.shapes) != (layer.units, layer.shapes) and layer.name not in found:
+                found[layer.name] = (
+                    f"{layer.name}: {first.units} units, parameter shapes {list(first.shapes)} on rank {first_rank}, "
+                    f"but {layer.units} units, parameter shapes {list(layer.shapes)} on rank {rank}"
                 )
-    return found
+    return list(found.values())
 
 
 class MeshLayout:
