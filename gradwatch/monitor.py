@@ -93,7 +93,12 @@ class GradMonitor:
         self._rank = _dist_rank()
         self._sync_dist = world > 1 if sync_dist is None else (sync_dist and world > 1)
         # Tensor parallelism: a split layer's taps judge this rank's slice of its units.
-        self._output_shares = output_shares(model, self._layer_specs) if self._sync_dist else None
+        self._failures = FailureLog()
+        self._output_shares = None
+        if self._sync_dist:  # torch's private layouts are read here: a failure costs the TP weights, not the run
+            self._output_shares = self._guarded(
+                "reading the tensor-parallel layout", lambda: output_shares(model, self._layer_specs), None
+            )
         #: the union of every rank's layers, when the ranks hold different ones or share outputs
         self._mesh: MeshLayout | None = None
         is_writer = self._rank == 0  # only rank 0 writes
@@ -106,7 +111,6 @@ class GradMonitor:
             monitor = self_ref()
             return None if monitor is None else monitor._current_scale()
 
-        self._failures = FailureLog()
         self._recorder = Recorder(
             self._layer_specs,
             flush_every,
@@ -586,7 +590,12 @@ class GradMonitor:
             return
         if all(r.signature() == mine.signature() for r in ranks) and self._output_shares is None:
             return  # the same layers everywhere: the rank's own layout is the shared one
-        self._mesh = MeshLayout(ranks, self._rank, recorder.layout)
+        try:
+            self._mesh = MeshLayout(ranks, self._rank, recorder.layout)
+        except Exception as exc:  # the same on every rank (same descriptions): every rank goes local
+            self._sync_dist = False
+            self._failures.failed("agreeing on a layout across ranks", exc, "each rank reports its own statistics")
+            return
         self._names = list(self._mesh.names)
 
 

@@ -64,6 +64,16 @@ def output_shares(model: nn.Module, layers: list[LayerSpec]) -> list[OutputShare
     group = max((spec.mesh.size() for spec in specs if spec is not None), default=1)
     if group == 1:
         return None
+    declared = [layer.units for layer in layers]
+    try:
+        return _shares(layers, specs, group)
+    except Exception:
+        for layer, units in zip(layers, declared):  # as if no layer were split
+            layer.units = units
+        raise
+
+
+def _shares(layers: list[LayerSpec], specs: list[Any], group: int) -> list[OutputShare]:
     shares = []
     for layer, spec in zip(layers, specs):
         share = OutputShare(units=layer.units, out_weight=1.0 / group, count_weight=1.0 / group)
