@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .buffer import StatBuffer
+from .buffer import Reduce, StatBuffer
 from .layers import LayerSpec
 from .param_stats import ParamStats
 from .updates import sample_view, sampled_columns
@@ -52,7 +52,7 @@ class Layout:
         n = len(layers)
         p = param_stats.n_params
         self.unit_count = np.array([layer.units for layer in layers], dtype=np.int64)
-        self.unit_offset = np.concatenate([[0], np.cumsum(self.unit_count)[:-1]]).astype(np.int64)
+        self.unit_offset = starts(self.unit_count)
         self.param_layer = param_stats.param_layer
         self.param_numel = np.zeros(n, dtype=np.int64)
         np.add.at(self.param_numel, param_stats.param_layer, param_stats.numel)
@@ -62,44 +62,29 @@ class Layout:
         #: check), not only on sampled steps.
         self.counts_every_step = param_stats.counts_every_step
 
-        buffer = self.buffer = StatBuffer(device)
-        # Parameter gradients are identical on every data-parallel rank after backward; sharded
-        # ones (DTensors) are partial sums and maxima, weighted so that a world-wide sum counts
-        # each distinct piece once (see sharding.py).
-        param_sum, param_max = ("sum", "max") if param_stats.sharded else ("none", "none")
-        F = flush_every
-        buffer.add_state(PARAM_SQ, (F, p), param_sum)
-        buffer.add_state(PARAM_MAX, (F, p), param_max)
-        buffer.add_state(PARAM_NONFINITE, (F, p), param_sum)
-        buffer.add_state(PARAM_PRESENT, (F, p), param_sum, host=True)
-        # Output gradients and forward outputs differ per rank: combined by sum, like micro-batches.
-        buffer.add_state(OUT_GRAD, (F, 3, n), "sum")
-        buffer.add_state(FWD_SUM, (F, n), "sum")
-        buffer.add_state(FWD_ORDER, (F, n), "max")
-        buffer.add_state(STEP_FAILED, (F,), "sum", host=True)
-        buffer.add_state(SYNC_VOTE, (1,), "max", host=True)
-        buffer.add_state(UNIT_ACC, (int(self.unit_count.sum()),), "sum")
         self.track_updates = track_updates
         #: the columns of the per-step update sample, and how many elements each sample has
         self.sample_columns = sampled_columns(param_stats.params) if track_updates else np.zeros(0, np.int64)
         self.sample_numel = np.array([sample_view(param_stats.params[j]).numel() for j in self.sample_columns],
                                      dtype=np.int64)  # fmt: skip
-        if track_updates:
-            buffer.add_state(UPDATE_SQ, (F + 1, p), param_sum)
-            buffer.add_state(WEIGHT_SQ, (F + 1, p), param_sum)
-            buffer.add_state(UPDATE_SEEN, (F + 1, p), param_sum, host=True)
-            # identical on data-parallel ranks; sharded tensors are not sampled
-            buffer.add_state(SAMPLE_UPDATE_SQ, (F, len(self.sample_columns)), "none")
-            buffer.add_state(SAMPLE_WEIGHT_SQ, (F, len(self.sample_columns)), "none")
-        buffer.freeze()
+        self.buffer = StatBuffer(device)
+        # Parameter gradients are identical on every data-parallel rank after backward; sharded
+        # ones (DTensors) are partial sums and maxima, weighted so that a world-wide sum counts
+        # each distinct piece once (see sharding.py). The update sample is identical on
+        # data-parallel ranks (sharded tensors are not sampled).
+        declare_states(
+            self.buffer, flush_every, p, n, int(self.unit_count.sum()), len(self.sample_columns), track_updates,
+            params=("sum", "max") if param_stats.sharded else ("none", "none"), samples="none", host_counts=True,
+        )  # fmt: skip
 
         # Sampled steps record every statistic; the others (detail="standard") the per-tensor sums
         # of squares and the forward check only. Slots 0 and 1 of every window are sampled, then
         # every sample_every-th: every window has output-gradient statistics, and dead units are
         # judged on at least two distinct steps at the window's own flush.
         self.sample_every = max(1, int(sample_every))
-        self._planned_slots = (np.arange(F) % self.sample_every == 0) | (np.arange(F) == 1)
-        self._every_slot = np.ones(F, dtype=bool)
+        slots = np.arange(flush_every)
+        self._planned_slots = (slots % self.sample_every == 0) | (slots == 1)
+        self._every_slot = np.ones(flush_every, dtype=bool)
         #: This window records every statistic at every step (set between windows: the dead-unit
         #: check asks for one when the sampled steps' evidence must be confirmed on all of them).
         self.full_window = False
@@ -112,3 +97,39 @@ class Layout:
     def is_sampled(self, slot: int) -> bool:
         """Whether step ``slot`` of a window records every statistic (past the window: the next one's slot 0)."""
         return bool(self.sampled_slots[slot]) if slot < self.flush_every else True
+
+
+def declare_states(buffer: StatBuffer, flush_every: int, n_params: int, n_layers: int, n_units: int, n_samples: int,
+                   track_updates: bool, *, params: tuple[Reduce, Reduce], samples: Reduce, host_counts: bool) -> None:  # fmt: skip
+    """Declare every state of a window on ``buffer`` and freeze it: a rank's own layout and the union
+    of several ranks' (``mesh.py``) declare the same states, with their own reductions.
+
+    ``params``: the reductions of the per-tensor (sums, maxima); ``samples``: that of the per-step
+    update sample; ``host_counts``: the counts the host knows (present, failed, vote, seen) are host
+    states (a rank's own buffer) rather than device states (a union, copied from a rank's buffer).
+    """
+    F, p, n = flush_every, n_params, n_layers
+    param_sum, param_max = params
+    buffer.add_state(PARAM_SQ, (F, p), param_sum)
+    buffer.add_state(PARAM_MAX, (F, p), param_max)
+    buffer.add_state(PARAM_NONFINITE, (F, p), param_sum)
+    buffer.add_state(PARAM_PRESENT, (F, p), param_sum, host=host_counts)
+    # Output gradients and forward outputs differ per rank: combined by sum, like micro-batches.
+    buffer.add_state(OUT_GRAD, (F, 3, n), "sum")
+    buffer.add_state(FWD_SUM, (F, n), "sum")
+    buffer.add_state(FWD_ORDER, (F, n), "max")
+    buffer.add_state(STEP_FAILED, (F,), "sum", host=host_counts)
+    buffer.add_state(SYNC_VOTE, (1,), "max", host=host_counts)
+    buffer.add_state(UNIT_ACC, (n_units,), "sum")
+    if track_updates:
+        buffer.add_state(UPDATE_SQ, (F + 1, p), param_sum)
+        buffer.add_state(WEIGHT_SQ, (F + 1, p), param_sum)
+        buffer.add_state(UPDATE_SEEN, (F + 1, p), param_sum, host=host_counts)
+        buffer.add_state(SAMPLE_UPDATE_SQ, (F, n_samples), samples)
+        buffer.add_state(SAMPLE_WEIGHT_SQ, (F, n_samples), samples)
+    buffer.freeze()
+
+
+def starts(counts: np.ndarray) -> np.ndarray:
+    """Where each of consecutive blocks of ``counts`` elements starts (the units of each layer)."""
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)

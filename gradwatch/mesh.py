@@ -37,7 +37,8 @@ from .devices import host_to_device, index_tensor
 from .layers import LayerSpec
 from .layout import (
     FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, SAMPLE_UPDATE_SQ,
-    SAMPLE_WEIGHT_SQ, STEP_FAILED, SYNC_VOTE, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout,
+    SAMPLE_WEIGHT_SQ, STEP_FAILED, SYNC_VOTE, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout, declare_states,
+    starts,
 )  # fmt: skip
 from .param_stats import ParamStats
 from .tensor_parallel import OutputShare
@@ -67,8 +68,6 @@ class RankDescription:
     columns: list[tuple[str, int]]
     sample_columns: list[int]  # indices into ``columns`` sampled for the per-step update estimate
     sample_numel: list[int]
-    ndims: list[int]
-    numels: list[int]
     track_updates: bool
     counts_every_step: bool
     sharded: bool
@@ -103,8 +102,6 @@ def describe_rank(layers: list[LayerSpec], param_stats: ParamStats, layout: Layo
         columns=[position[id(p)] for p in param_stats.params],
         sample_columns=[int(j) for j in layout.sample_columns],
         sample_numel=[int(n) for n in layout.sample_numel],
-        ndims=[int(n) for n in layout.param_ndim],
-        numels=[int(n) for n in layout.tensor_numel],
         track_updates=layout.track_updates,
         counts_every_step=bool(layout.counts_every_step),
         sharded=param_stats.sharded,
@@ -135,8 +132,6 @@ class MeshLayout:
     def __init__(self, ranks: list[RankDescription], rank: int, local: Layout) -> None:
         mine = ranks[rank]
         self.flush_every = local.flush_every
-        self.device = local.device
-        self.sample_every = local.sample_every
         self.counts_every_step = all(r.counts_every_step for r in ranks)
         self.track_updates = any(r.track_updates for r in ranks)
 
@@ -153,7 +148,7 @@ class MeshLayout:
         self.names = list(index)
         n = len(self.names)
         self.unit_count = np.array(units, dtype=np.int64)
-        self.unit_offset = np.concatenate([[0], np.cumsum(self.unit_count)[:-1]]).astype(np.int64)
+        self.unit_offset = starts(self.unit_count)
 
         # Columns: every layer's parameters in order; held by the ranks that list them.
         column_of: dict[tuple[str, int], int] = {}
@@ -215,25 +210,13 @@ class MeshLayout:
         self._samples = index_tensor(mine_samples, device)
         self._sample_factor = host_to_device(1.0 / holders[mine_cols[mine.sample_columns]], device, dtype)
 
-        F, p = local.flush_every, len(owner)
-        buffer = self.buffer = StatBuffer(device)
-        buffer.add_state(PARAM_SQ, (F, p), "sum")
-        buffer.add_state(PARAM_MAX, (F, p), "max")
-        buffer.add_state(PARAM_NONFINITE, (F, p), "sum")
-        buffer.add_state(PARAM_PRESENT, (F, p), "sum")
-        buffer.add_state(OUT_GRAD, (F, 3, n), "sum")
-        buffer.add_state(FWD_SUM, (F, n), "sum")
-        buffer.add_state(FWD_ORDER, (F, n), "max")
-        buffer.add_state(STEP_FAILED, (F,), "sum")
-        buffer.add_state(SYNC_VOTE, (1,), "max")
-        buffer.add_state(UNIT_ACC, (int(self.unit_count.sum()),), "sum")
-        if self.track_updates:
-            buffer.add_state(UPDATE_SQ, (F + 1, p), "sum")
-            buffer.add_state(WEIGHT_SQ, (F + 1, p), "sum")
-            buffer.add_state(UPDATE_SEEN, (F + 1, p), "sum")
-            buffer.add_state(SAMPLE_UPDATE_SQ, (F, len(sample_order)), "sum")
-            buffer.add_state(SAMPLE_WEIGHT_SQ, (F, len(sample_order)), "sum")
-        buffer.freeze()
+        # Every state a sum (or a maximum) over the ranks, weighted by gather(); the host's counts
+        # arrive on the device with the rest of the rank's buffer.
+        self.buffer = StatBuffer(device)
+        declare_states(
+            self.buffer, local.flush_every, len(owner), n, int(self.unit_count.sum()), len(sample_order),
+            self.track_updates, params=("sum", "max"), samples="sum", host_counts=False,
+        )  # fmt: skip
 
     @property
     def sampled_slots(self) -> np.ndarray:

@@ -48,10 +48,6 @@ class OutputShare:
     #: weight of its output-gradient calls, samples and forward sums (the group saw one batch)
     count_weight: float = 1.0
 
-    @property
-    def split(self) -> bool:
-        return self.out_weight != self.count_weight
-
 
 def output_shares(model: nn.Module, layers: list[LayerSpec]) -> list[OutputShare] | None:
     """Per layer, how its output is shared over tensor-parallel ranks; None without tensor parallelism.
