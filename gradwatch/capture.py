@@ -41,6 +41,7 @@ import torch
 
 from .buffer import stat_dtype
 from .layers import LayerSpec, grad_tensors
+from .sharding import local_tensor
 
 #: Projection weights are drawn once for up to this many rows (64 KiB); longer gradients
 #: generate theirs (four more ops, on sampled steps only).
@@ -235,8 +236,7 @@ class OutputTap:
         _set_grad_enabled(False)
         try:
             # A DTensor output (SequenceParallel keeps one): this rank's piece (mesh.py combines them).
-            local = out.to_local() if _DTensor is not None and isinstance(out, _DTensor) else out
-            self.forward_sum.add_(local.sum(dtype=dtype))
+            self.forward_sum.add_(local_tensor(out).sum(dtype=dtype))
             if sampling:
                 # Forward order: the clock counts down, so a layer's first call keeps the largest value.
                 self.first_call.clamp_min_(self.clock)
@@ -267,7 +267,7 @@ class OutputTap:
         grad_mode = torch.is_grad_enabled()  # on only in a backward with create_graph=True
         _set_grad_enabled(False)
         try:
-            self._record_grad(grad.to_local() if _DTensor is not None and isinstance(grad, _DTensor) else grad)
+            self._record_grad(local_tensor(grad))
         except Exception as exc:  # as in __call__
             self.failed(exc)
         finally:
@@ -315,12 +315,6 @@ class OutputTap:
             evidence = torch.mv(rows.t(), weights)
         self.units.addcmul_(evidence, evidence)
         self.samples.add_(float(n))
-
-
-try:  # resolved once: the taps test outputs against it without an import in traced code
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # a build without distributed support
-    _DTensor = None  # type: ignore[assignment,misc]
 
 
 def inert_hook(module: torch.nn.Module, args: Any, output: Any) -> None:

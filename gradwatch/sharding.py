@@ -31,13 +31,20 @@ from typing import Any
 import torch
 
 
+try:  # resolved once: the taps test outputs against it without an import in traced code
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # torch < 2.4, or a build without distributed support
+    _DTensor = None  # type: ignore[assignment,misc]
+
+
 def is_dtensor(tensor: Any) -> bool:
     """True for a ``torch.distributed.tensor.DTensor``."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch < 2.4, or a build without distributed support
-        return False
-    return isinstance(tensor, DTensor)
+    return _DTensor is not None and isinstance(tensor, _DTensor)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a DTensor (a module output, its gradient); any other tensor as it is."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def is_partial(tensor: Any) -> bool:
