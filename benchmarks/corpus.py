@@ -327,20 +327,15 @@ def corpus(seeds_faulty: int = 7, seeds_healthy: int = 6, families: list[str] | 
 
 
 class Truth:
-    """What the benchmark measures itself: the loss, gradient norms, dead-layer output gradients, update ratios."""
+    """What the benchmark measures itself: the loss, gradient norms, which units pass gradient, update ratios."""
 
-    def __init__(self, model: nn.Module, family: Family) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.layers = {n: m for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))}
         self.loss: list[float] = []
         self.global_norm: list[float] = []
         self.layer_norm: list[dict[str, float]] = []
         self.ratios: list[dict[str, float]] = []
-        self.dead_alive: torch.Tensor | None = None  # units of the dead layer with a non-zero output gradient
-        self.dead_rows = 0
-        self.watch_dead = False
-        dead = model.get_submodule(family.dead_layer)
-        dead.register_forward_hook(self._dead_hook)
         self._before: dict[str, list[torch.Tensor]] = {}
         #: per step, per layer with units: which units had a non-zero output gradient (any row)
         self.alive_steps: list[dict[str, torch.Tensor]] = [{}]
@@ -362,18 +357,6 @@ class Truth:
             output.register_hook(on_grad)
 
         return hook
-
-    def _dead_hook(self, module, args, output):
-        if not self.watch_dead or not output.requires_grad:
-            return
-
-        def on_grad(grad):
-            unit = 1 if grad.ndim == 4 else grad.ndim - 1
-            alive = (grad != 0).transpose(0, unit).reshape(grad.shape[unit], -1).any(1)
-            self.dead_alive = alive if self.dead_alive is None else self.dead_alive | alive
-            self.dead_rows += grad.shape[0]
-
-        output.register_hook(on_grad)
 
     def after_backward(self, loss: torch.Tensor) -> None:
         self.loss.append(float(loss.detach()))
@@ -439,10 +422,11 @@ def check_fault(run: Run, family: Family, truth: Truth) -> tuple[bool, str, list
             if pre > 0 and post <= 1e-5 * pre:
                 layers.append(name)
         return bool(layers), "no layer's gradient norm fell 1e5x", layers
-    if run.kind == "dead_units":
-        if truth.dead_alive is None:
+    if run.kind == "dead_units":  # over the 20 steps after the fault
+        masks = [s[family.dead_layer] for s in truth.alive_steps[f + 1 : f + 21] if family.dead_layer in s]
+        if not masks:
             return False, "no output gradient reached the dead layer", []
-        fraction = 1 - float(truth.dead_alive.double().mean())
+        fraction = 1 - float(torch.stack(masks).any(0).double().mean())
         return fraction >= 0.5, f"{fraction:.0%} of its units died, not 50%", [family.dead_layer]
     if run.kind == "nonfinite":
         bad = not math.isfinite(truth.loss[f]) or not math.isfinite(truth.global_norm[f])
@@ -508,7 +492,7 @@ def execute(run: Run) -> Outcome:
     opt = make_optimizer(model, recipe)
     base_lr = [g["lr"] for g in opt.param_groups]
     data = Data(family, recipe, run.seed)
-    truth = Truth(model, family)
+    truth = Truth(model)
     f = run.fault_step
     injected = {"grad_scale": None, "nan_now": False, "inf_now": False}
 
@@ -551,7 +535,6 @@ def execute(run: Run) -> Outcome:
                     model.get_submodule(family.dead_layer).bias.fill_(-100.0)
             elif run.kind == "nonfinite":
                 injected["nan_now" if run.variant == "forward NaN" else "inf_now"] = True
-        truth.watch_dead = run.kind == "dead_units" and f < t <= f + 20
         x, y = data.batch()
         loss = nn.functional.cross_entropy(model(x), y)
         if run.kind == "exploding" and (t == f or (run.variant == "lasting" and t > f)):
