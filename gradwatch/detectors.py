@@ -647,7 +647,7 @@ def _successor(layers: list[str], name: str) -> str | None:
 
 
 def _predecessor(layers: list[str], name: str) -> str | None:
-    i = layers.index(name) if name in layers else 0
+    i = layers.index(name)
     return layers[i - 1] if i > 0 else None
 
 

@@ -545,6 +545,7 @@ class GradMonitor:
             raise ValueError("not a gradwatch GradMonitor state_dict (or from an incompatible version)")
         self._next_step = int(state["next_step"])
         self._checks.load_state_dict(state["checks"])
+        self._recorder.layout.full_window = self._checks.wants_every_step  # a confirmation carried over
         self._tracker.load_state_dict(state["tracker"])
         if self._sink is not None:
             self._sink.restore_layout_dir(state.get("layout_dir"))

@@ -446,3 +446,28 @@ def test_a_gradient_collapsing_five_decades_is_vanishing_under_adam_too():
     vanishing = [a for a in monitor.alerts if a.kind == "vanishing"]
     assert [a.layer for a in vanishing] == ["0"], [a.message for a in monitor.alerts]
     assert vanishing[0].step >= 30 and "own earlier level" in vanishing[0].message
+
+
+def test_a_confirmation_carried_in_a_checkpoint_records_the_resumed_window_in_full():
+    gate, model = _rarely_active_layer()
+    with torch.no_grad():
+        gate.bias[:48] = -100.0
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def train(monitor, steps):
+        for _ in range(steps):
+            model(torch.randn(32, 16)).sum().backward()
+            monitor.step()
+            opt.step()
+            opt.zero_grad()
+
+    first = GradMonitor(model, flush_every=25, optimizer=opt)
+    train(first, 25)  # dead on the sampled steps: to be confirmed
+    state = first.state_dict()
+    first.close()
+    resumed = GradMonitor(model, flush_every=25, optimizer=opt)
+    resumed.load_state_dict(state)
+    train(resumed, 25)
+    assert resumed.last_window.sampled.all()  # the confirmation window, recorded in full
+    assert [(a.kind, a.layer, a.step) for a in resumed.alerts] == [("dead_units", "0", 49)]
+    resumed.close()
