@@ -96,6 +96,47 @@ def in_context_costs(workload, steps: int = 120, clock=time.perf_counter) -> dic
     return {k: statistics.median(v[len(v) // 5 :]) * 1e6 for k, v in samples.items()}
 
 
+def cold_call_costs(workload, steps: int = 120, clock=time.perf_counter) -> dict[str, float]:
+    """Median microseconds, right after a real step's backward (where ``monitor.step()`` runs), of:
+    the one read of every parameter gradient (``_foreach_norm``), then three small calls of the
+    kind gradwatch's bookkeeping makes (a ``stack``, a ``square`` into a float64 row, a numpy sum of
+    the row), and the same three calls again. The second round shows what the first pays for its
+    code and data having left the caches during the step (``clock``: replaceable by a test)."""
+    torch.manual_seed(0)
+    model = workload.make_model()
+    x, y = workload.make_batch(torch.device("cpu"))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    params = [p for p in model.parameters() if p.requires_grad]
+    norms = torch.zeros(len(params))
+    row = torch.zeros(len(params), dtype=torch.float64)
+    host_row = row.numpy()
+    names = ["gradient read (_foreach_norm)", "stack", "square into float64", "numpy sum", "stack, again",
+             "square, again", "numpy sum, again"]  # fmt: skip
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    gc.disable()
+    try:
+        for _ in range(steps):
+            workload.loss(model(x), y).backward()
+            grads = [p.grad for p in params]
+            times = [clock()]
+            per_tensor = torch._foreach_norm(grads, 2)
+            times.append(clock())
+            for _ in range(2):
+                torch.stack(per_tensor, out=norms)
+                times.append(clock())
+                torch.square(norms, out=row)
+                times.append(clock())
+                float(host_row.sum())
+                times.append(clock())
+            for name, t0, t1 in zip(names, times, times[1:]):
+                samples[name].append(t1 - t0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        gc.enable()
+    return {k: statistics.median(v[len(v) // 5 :]) * 1e6 for k, v in samples.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=["mlp", "cnn", "transformer"], default="mlp")
@@ -107,7 +148,7 @@ def main() -> None:
     results = measure(
         workload,
         [C.Unmonitored, C.UnmonitoredControl, _GradWatch50, WithoutParamStats, WithoutOutputGradReductions,
-         C.ReadOnceFloor, C.FusedFloor],
+         C.ReadOnceFloor, C.DefaultStepFloor, C.FusedFloor],
         args.rounds,
         10,
         torch.device("cpu"),
@@ -116,6 +157,9 @@ def main() -> None:
     print("\nin-context cost of one call in a forward hook (median us):")
     for name, us in in_context_costs(workload).items():
         print(f"  {name:20s} {us:8.1f}")
+    print("\nright after backward, where monitor.step() runs (median us):")
+    for name, us in cold_call_costs(workload).items():
+        print(f"  {name:30s} {us:8.1f}")
 
 
 if __name__ == "__main__":

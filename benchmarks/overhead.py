@@ -61,7 +61,7 @@ COMPILED_CONTENDERS = [
     C.compiled(C.Unmonitored, "none, compiled"), C.compiled(C.UnmonitoredControl, "none (A/A), compiled"),
     C.compiled(C.gradwatch_contender(50), "gradwatch flush=50, compiled"),
     C.compiled(C.gradwatch_contender(50, detail="full"), "gradwatch flush=50 full, compiled"),
-    C.Unmonitored,
+    C.compiled(C.DefaultStepFloor, "default's read floor, compiled"), C.Unmonitored,
 ]  # fmt: skip
 
 #: The depth sweep: the default against the floors of what it reads, per monitored layer.

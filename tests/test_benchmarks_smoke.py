@@ -88,6 +88,13 @@ def test_in_context_costs_reports_each_call():
     assert all(v == 1e6 for v in costs.values())  # one tick per call, in microseconds
 
 
+def test_cold_call_costs_times_the_read_and_both_rounds_of_small_calls():
+    costs = B.cold_call_costs(_TINY, steps=6, clock=_Ticks())
+    assert list(costs) == ["gradient read (_foreach_norm)", "stack", "square into float64", "numpy sum",
+                           "stack, again", "square, again", "numpy sum, again"]  # fmt: skip
+    assert all(v == 1e6 for v in costs.values())
+
+
 def test_detection_benchmark_scores_a_pathology_and_a_healthy_run():
     from benchmarks import detection as D
 
