@@ -130,7 +130,7 @@ class HealthChecks:
         """The per-step checks (``nonfinite``, model-level ``exploding``) on one step's summary
         (``readback.StepSummary``), judged as soon as the step's values are on the host."""
         findings: list[Finding] = []
-        if s.fwd_bad.any() or s.grad_bad.any():
+        if s.any_bad:
             if not (scaler_in_use and not s.fwd_bad.any()):  # else a GradScaler skip, said at the flush
                 findings.append(_nonfinite_finding(self.layers, step, s.fwd_bad, s.grad_bad, order, s.count))
         if self.model_per_step and s.has_grad:
@@ -156,14 +156,17 @@ class HealthChecks:
             threshold = cfg.exploding_jump * previous
             why = f"{value / previous:.3g}x its previous step's norm"
         elif self.model_steps >= cfg.exploding_warmup_steps:
-            recent = [v for v in self.recent[:, col].tolist() if v == v]
-            settled = sorted(v for v in self.level[:, col].tolist() if v == v)
-            k = len(settled)
-            median = (settled[(k - 1) // 2] + settled[k // 2]) / 2 if k else 0.0
-            base = max(max(recent, default=0.0), median)
-            if base > 0 and value > cfg.exploding_factor * base:
-                threshold = cfg.exploding_factor * base
-                why = f"{value / base:.3g}x its recent level {base:.4g}"
+            top = max((v for v in self.recent[:, col].tolist() if v == v), default=0.0)
+            # The level is max(top, median of the settled ring) >= top: a value within the factor
+            # of top is calm whatever the median, so the median (a sort) is worked out only above.
+            if not (top > 0 and value <= cfg.exploding_factor * top):
+                settled = sorted(v for v in self.level[:, col].tolist() if v == v)
+                k = len(settled)
+                median = (settled[(k - 1) // 2] + settled[k // 2]) / 2 if k else 0.0
+                base = max(top, median)
+                if base > 0 and value > cfg.exploding_factor * base:
+                    threshold = cfg.exploding_factor * base
+                    why = f"{value / base:.3g}x its recent level {base:.4g}"
         if threshold is not None:
             return Finding("exploding", "", step, value, threshold, why)
         # calm: into the rings

@@ -17,7 +17,10 @@ Nothing here is traced: it runs in ``step()``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import lru_cache
+from itertools import compress
 
 import numpy as np
 import torch
@@ -36,7 +39,7 @@ class StepValues:
     slot: int
     sq: np.ndarray  # [P] per-tensor sums of squares
     nonfinite: np.ndarray  # [P] per-tensor non-finite counts (0 where not counted)
-    present: np.ndarray  # [P] bool: the tensor had a gradient
+    present: np.ndarray  # [P] > 0: the tensor had a gradient (ranks that had it; a view of the host state)
     forward: np.ndarray  # [L] running forward sums of the window
     out_sq: np.ndarray  # [L] output-gradient sums of squares (0 where not recorded)
     order: np.ndarray | None  # [L] forward clock at each layer's first call (sampled steps)
@@ -53,9 +56,16 @@ class StepReadback:
         self.cuda = buffer.device.type == "cuda"
         p, n = len(layout.param_layer), len(layout.names)
         self._sizes = (p, p, n, n)
+        present = buffer.host[PARAM_PRESENT]
+        self._present = [present[t] for t in range(layout.flush_every)]
         if self.host_path:
-            self._views = {name: buffer.host_view(name) for name in (PARAM_SQ, PARAM_NONFINITE, FWD_SUM, OUT_GRAD,
-                                                                   FWD_ORDER)}  # fmt: skip
+            # Each slot's numpy views, made once: indexing at every step costs a call each, at the
+            # price such calls have right after backward.
+            v = {name: buffer.host_view(name) for name in (PARAM_SQ, PARAM_NONFINITE, FWD_SUM, OUT_GRAD, FWD_ORDER)}
+            self._host_rows = [
+                (v[PARAM_SQ][t], v[PARAM_NONFINITE][t], v[FWD_SUM][t], v[OUT_GRAD][t, 0], v[FWD_ORDER][t])
+                for t in range(layout.flush_every)
+            ]  # fmt: skip
         # In flight: (slot, staging index, event or None); the staging ring is allocated once
         # (pinned on CUDA): a step whose copy finds the ring full is judged at the flush instead.
         self._in_flight: list[tuple] = []
@@ -110,9 +120,9 @@ class StepReadback:
             item = self._in_flight[0]
             slot = item[0]
             if self.host_path:
-                v = self._views
-                sq, nonfinite, forward, out_sq = v[PARAM_SQ][slot], v[PARAM_NONFINITE][slot], v[FWD_SUM][slot], v[OUT_GRAD][slot, 0]
-                order = v[FWD_ORDER][slot] if self.layout.is_sampled(slot) else None
+                sq, nonfinite, forward, out_sq, order = self._host_rows[slot]
+                if not self.layout.is_sampled(slot):  # the sampling plan can change per window (full_window)
+                    order = None
             else:
                 _, k, sampled, event = item
                 if event is not None and not wait and not event.query():
@@ -129,7 +139,7 @@ class StepReadback:
             self._in_flight.pop(0)
             # Views of the buffer's rows on the CPU path (they hold until the window ends), copies
             # of the staging slot otherwise.
-            out.append(StepValues(slot, sq, nonfinite, host[PARAM_PRESENT][slot] > 0, forward, out_sq, order,
+            out.append(StepValues(slot, sq, nonfinite, self._present[slot], forward, out_sq, order,
                                   bool(host[STEP_FAILED][slot])))  # fmt: skip
         return out
 
@@ -152,25 +162,41 @@ class StepSummary:
     fwd_bad: np.ndarray  # [L] an output turned non-finite at this step (first time in the window)
     grad_bad: np.ndarray  # [L] a parameter gradient or output gradient was non-finite
     count: float  # non-finite parameter-gradient elements counted (0: not counted this step)
+    any_bad: bool | None = None  # fwd_bad or grad_bad anywhere (None: worked out from them)
+
+    def __post_init__(self) -> None:
+        if self.any_bad is None:
+            self.any_bad = bool(self.fwd_bad.any() or self.grad_bad.any())
 
 
 def summarize(values: StepValues, layout: Layout, previous_forward: np.ndarray | None) -> StepSummary:
-    """Per layer and for the model: what one step's host values say. The common case (all
-    finite) costs a few numpy reductions; per-layer masks are worked out only when something
-    is not finite (this runs at every step)."""
+    """Per layer and for the model: what one step's host values say.
+
+    This runs at every step, right after backward has swept the caches, where each distinct
+    call costs tens of microseconds (benchmarks/RESULTS.md, "Compiled training"). So the common
+    case, everything finite, is decided on Python floats in a few C-level calls, without numpy
+    ufuncs or error-state changes: a NaN or Inf anywhere makes the probe non-finite (Python float
+    arithmetic propagates them and never warns). Anything else takes the exact path, which works
+    out the per-layer masks.
+    """
+    present = values.present.tolist()
+    total = sum(compress(values.sq.tolist(), present))  # over the tensors that had a gradient
+    probe = total + sum(values.forward.tolist()) + sum(values.out_sq.tolist())
+    if math.isfinite(probe) and not any(values.nonfinite.tolist()):
+        has_grad = any(present)
+        none = _no_layer(len(layout.names))
+        return StepSummary(has_grad, math.sqrt(total) if has_grad else math.nan, none, none, 0.0, any_bad=False)
+    return _summarize_exactly(values, layout, previous_forward)
+
+
+def _summarize_exactly(values: StepValues, layout: Layout, previous_forward: np.ndarray | None) -> StepSummary:
+    """:func:`summarize` when something may not be finite: per-layer masks from every value."""
     n = len(layout.names)
-    present = values.present
+    present = values.present > 0
     with np.errstate(invalid="ignore", over="ignore"):
         total = float(np.dot(present, np.where(present, values.sq, 0.0)))
-        all_finite = (
-            np.isfinite(total) and not values.nonfinite.any() and np.isfinite(values.forward.sum())
-            and np.isfinite(values.out_sq.sum())
-        )  # fmt: skip
         has_grad = bool(present.any())
         norm = float(np.sqrt(total)) if has_grad else float("nan")
-        if all_finite:
-            none = np.zeros(n, dtype=bool)
-            return StepSummary(has_grad, norm, none, none, 0.0)
         bad_tensor = present & (~np.isfinite(values.sq) | (values.nonfinite > 0))
         grad_bad = np.bincount(layout.param_layer[bad_tensor], minlength=n) > 0
         grad_bad |= ~np.isfinite(values.out_sq)
@@ -178,6 +204,14 @@ def summarize(values: StepValues, layout: Layout, previous_forward: np.ndarray |
         fwd_bad = running_bad if previous_forward is None else running_bad & np.isfinite(previous_forward)
     count = float(np.rint(np.sum(np.where(present, values.nonfinite, 0.0))))
     return StepSummary(has_grad, norm, fwd_bad, grad_bad, count)
+
+
+@lru_cache(maxsize=8)
+def _no_layer(n: int) -> np.ndarray:
+    """A read-only all-False mask over ``n`` layers, made once per size."""
+    none = np.zeros(n, dtype=bool)
+    none.setflags(write=False)
+    return none
 
 
 def forward_order(first_calls: np.ndarray) -> list[int]:
