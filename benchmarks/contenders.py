@@ -288,5 +288,6 @@ def standard() -> list[type[Contender]]:
         LightningGradNormFloats,
         ItemHook,
         FusedFloor,
+        DefaultStepFloor,
         ReadOnceFloor,
     ]
