@@ -56,16 +56,19 @@ class StepReadback:
         self.cuda = buffer.device.type == "cuda"
         p, n = len(layout.param_layer), len(layout.names)
         self._sizes = (p, p, n, n)
+        self._rows = [
+            (buffer.row(PARAM_SQ, t), buffer.row(PARAM_NONFINITE, t), buffer.row(FWD_SUM, t), buffer.row(OUT_GRAD, t)[0])
+            for t in range(layout.flush_every)
+        ]  # fmt: skip
+        self._order_rows = [buffer.row(FWD_ORDER, t) for t in range(layout.flush_every)]
         present = buffer.host[PARAM_PRESENT]
         self._present = [present[t] for t in range(layout.flush_every)]
         if self.host_path:
-            # Each slot's numpy views, made once: indexing at every step costs a call each, at the
-            # price such calls have right after backward.
-            v = {name: buffer.host_view(name) for name in (PARAM_SQ, PARAM_NONFINITE, FWD_SUM, OUT_GRAD, FWD_ORDER)}
+            # The same rows as numpy views, made once: indexing at every step costs a call each, at
+            # the price such calls have right after backward.
             self._host_rows = [
-                (v[PARAM_SQ][t], v[PARAM_NONFINITE][t], v[FWD_SUM][t], v[OUT_GRAD][t, 0], v[FWD_ORDER][t])
-                for t in range(layout.flush_every)
-            ]  # fmt: skip
+                tuple(row.numpy() for row in (*rows, order)) for rows, order in zip(self._rows, self._order_rows)
+            ]
         # In flight: (slot, staging index, event or None); the staging ring is allocated once
         # (pinned on CUDA): a step whose copy finds the ring full is judged at the flush instead.
         self._in_flight: list[tuple] = []
@@ -81,11 +84,6 @@ class StepReadback:
                 self._ring.append((row, order))
                 self._ring_host.append((row.numpy(), order.numpy()))
             self._free = list(range(_RING))
-        self._rows = [
-            (buffer.row(PARAM_SQ, t), buffer.row(PARAM_NONFINITE, t), buffer.row(FWD_SUM, t), buffer.row(OUT_GRAD, t)[0])
-            for t in range(layout.flush_every)
-        ]  # fmt: skip
-        self._order_rows = [buffer.row(FWD_ORDER, t) for t in range(layout.flush_every)]
 
     @property
     def available(self) -> bool:
