@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):  # the Lightning adapter imports Lightning only when asked for
     if name == "GradWatch":
-        from .lightning import GradWatch
+        from .integrations.lightning import GradWatch
 
         return GradWatch
     raise AttributeError(f"module 'gradwatch' has no attribute {name!r}")

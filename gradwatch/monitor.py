@@ -10,23 +10,24 @@ import numpy as np
 import torch
 from torch import nn
 
-from .alerts import Alert, AlertTracker, GradientHealthError
+from .alerts import Alert, GradientHealthError
+from .detect.tracker import AlertTracker
 from .config import HealthConfig
-from .detectors import Assessment, HealthChecks, normalises_step
-from .compiled import unwrap
-from .hooks import HookSet
-from .layers import discover_layers
-from .layout import STEP_FAILED, SYNC_VOTE
-from .mesh import MeshLayout, conflicts, describe_rank
-from .readback import StepReadback, forward_order, summarize
-from .param_stats import ModelMoved
-from .recorder import Recorder
+from .detect.checks import Assessment, HealthChecks, normalises_step
+from ._compat import unwrap
+from .capture.hooks import HookSet
+from .capture.layers import discover_layers
+from .capture.layout import STEP_FAILED, SYNC_VOTE
+from .distributed.mesh import MeshLayout, conflicts, describe_rank
+from .flush.readback import StepReadback, forward_order, summarize
+from .capture.param_stats import ModelMoved
+from .capture.recorder import Recorder
 from .sinks.metrics import describe, window_metrics
 from .sinks.tensorboard import TensorBoardSink
 from .failures import FailureLog
-from .tensor_parallel import output_shares
-from .updates import UpdateRatio
-from .window import Window
+from .distributed.tensor_parallel import output_shares
+from .capture.updates import UpdateRatio
+from .flush.window import Window
 
 log = logging.getLogger("gradwatch")
 

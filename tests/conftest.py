@@ -61,7 +61,7 @@ def param_path(request, monkeypatch):
     """Both paths of the parameter-gradient statistics: the CPU's own (float32 slots checked on the
     host, BLAS for large tensors) and the device-agnostic one accelerators take (float64 foreach
     norms, counts on sampled steps), here run on CPU tensors so that every commit tests it."""
-    import gradwatch.param_stats as param_stats
+    import gradwatch.capture.param_stats as param_stats
 
     monkeypatch.setattr(param_stats, "CPU_FAST_PATH", request.param == "cpu-path")
     return request.param

@@ -295,7 +295,7 @@ def test_no_histograms_by_default(demo_runs):
 def _window(layers, steps, seed):
     import numpy as np
 
-    from gradwatch.window import Window
+    from gradwatch.flush.window import Window
 
     rng = np.random.default_rng(seed)
     shape = (steps, len(layers))

@@ -313,7 +313,7 @@ def test_dead_units_exact_zero_and_with_dead_eps(dead_eps, expected):
 
 def test_chunked_nonfinite_count_matches_isfinite():
     """The accelerator path counts in bounded chunks; checked here on CPU tensors."""
-    from gradwatch.param_stats import nonfinite_counts as _nonfinite_counts
+    from gradwatch.capture.param_stats import nonfinite_counts as _nonfinite_counts
 
     grads = [torch.randn(1000), torch.randn(37, 11), torch.randn(5), torch.randn(3000)]
     grads[0][[3, 999]] = float("nan")

@@ -337,8 +337,8 @@ def test_the_per_step_model_rule_flags_the_same_steps_as_the_window_rule():
     # steps, a 28x step after the growth, a value above the absolute ceiling.
     import numpy as np
 
-    from gradwatch.detectors import HealthChecks
-    from gradwatch.readback import StepSummary
+    from gradwatch.detect.checks import HealthChecks
+    from gradwatch.flush.readback import StepSummary
 
     rng = np.random.default_rng(3)
     series = list(50.0 * np.exp(-np.arange(30) / 5.0) + 1.0)  # high start, settling at ~1

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from gradwatch import GradMonitor, HealthConfig
-from gradwatch.param_stats import CpuBlasStats, ForeachStats, StepRows, _CpuSlots
+from gradwatch.capture.param_stats import CpuBlasStats, ForeachStats, StepRows, _CpuSlots
 
 from .conftest import read_scalars
 from .reference import own_grad_norm
@@ -230,7 +230,7 @@ def test_resuming_into_a_new_folder_writes_layout_and_layer_list_there(tmp_path)
 
 
 def test_report_reads_structured_alerts_not_message_wording(tmp_path, monkeypatch, capsys):
-    import gradwatch.alerts as alerts_module
+    import gradwatch.detect.tracker as alerts_module
     from gradwatch.cli import main
     from gradwatch.demo import run_demo
 
@@ -382,7 +382,7 @@ def test_a_model_on_the_meta_device_is_refused_with_the_remedy():
 
 def test_the_torch_2_3_fallback_of_foreach_norm_gives_the_same_values(monkeypatch):
     # torch 2.3 has no dtype argument on _foreach_norm: the per-tensor fallback must agree.
-    import gradwatch.devices as devices
+    import gradwatch.capture.devices as devices
 
     tensors = [torch.randn(300, 200), torch.randn(7) * 1e20, torch.randn(0)]
     fast = [float(t) for t in devices.foreach_norm(tensors, 2, torch.float64)]

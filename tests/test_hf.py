@@ -167,7 +167,7 @@ def test_training_that_raises_leaves_no_hook_and_no_wrapper(tmp_path):
 
     class FailAtTheFourthForward(transformers.TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kwargs):
-            from gradwatch.hf import _find_trainer
+            from gradwatch.integrations.hf import _find_trainer
 
             trainers.append(_find_trainer(watch))
             calls = [0]

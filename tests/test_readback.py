@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gradwatch.readback import StepValues, summarize
+from gradwatch.flush.readback import StepValues, summarize
 
 # Three layers; tensors 0-1 belong to layer 0, 2 to layer 1, 3-4 to layer 2.
 _LAYOUT = SimpleNamespace(names=["a", "b", "c"], param_layer=np.array([0, 0, 1, 2, 2]))

@@ -133,13 +133,13 @@ def test_close_removes_the_optimizer_hooks():
 
 
 def test_chunks_are_whole_layers_within_a_bound_and_fit_a_window():
-    from gradwatch.updates import _chunks
+    from gradwatch.capture.updates import _chunks
 
     params = [torch.zeros(1000, 1000), torch.zeros(1000), torch.zeros(3000, 1000), torch.zeros(10)]
     owner = torch.tensor([0, 0, 1, 2]).numpy()
     # 4 MB + 12 MB + 40 B with room for 5 chunks per window: one chunk under 64 MiB
     assert _chunks([0, 1, 2, 3], params, owner, flush_every=10) == [[0, 1, 2, 3]]
-    import gradwatch.updates as U
+    import gradwatch.capture.updates as U
 
     old, U.CHUNK_BYTES = U.CHUNK_BYTES, 5_000_000
     try:

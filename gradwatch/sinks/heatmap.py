@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..window import Window
+from ..flush.window import Window
 
 _TITLE = "gradient flow (grey: no or zero gradient)"
 _WIDTH_PX = 360  # TensorBoard's image card: drawn at its size, not scaled down into it

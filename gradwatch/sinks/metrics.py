@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..window import Window
+from ..flush.window import Window
 from .scalars import as_dicts, window_scalars
 
 MetricsCallback = Callable[[dict[str, float], int], None]

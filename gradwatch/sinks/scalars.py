@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..window import Window
+from ..flush.window import Window
 
 PREFIX = "gradwatch"
 PER_STEP_STATS = ("grad_norm", "grad_max", "nonfinite", "out_grad_norm")

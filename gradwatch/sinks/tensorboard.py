@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..alerts import Alert
-from ..window import Window
+from ..flush.window import Window
 from .heatmap import GradientFlowHeatmap
 from .scalars import LOG_RMS, PER_STEP_STATS, PREFIX, window_scalars
 

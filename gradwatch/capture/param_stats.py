@@ -39,7 +39,7 @@ import torch
 
 from .devices import foreach_norm, host_to_device
 from .layers import LayerSpec
-from .sharding import is_dtensor, local_piece, reduce_partials
+from ..distributed.sharding import is_dtensor, local_piece, reduce_partials
 
 log = logging.getLogger("gradwatch")
 

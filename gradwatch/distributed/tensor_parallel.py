@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import nn
 
-from .layers import LayerSpec
+from ..capture.layers import LayerSpec
 from .sharding import is_dtensor
 
 

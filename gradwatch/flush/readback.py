@@ -25,7 +25,7 @@ from itertools import compress
 import numpy as np
 import torch
 
-from .layout import FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, STEP_FAILED, Layout
+from ..capture.layout import FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, STEP_FAILED, Layout
 
 #: Staging slots for steps whose values are still being copied (a step finding none free is
 #: judged at the flush).

@@ -15,8 +15,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .capture import Cells, DeviceCells
-from .decode import build_window
+from .taps import Cells, DeviceCells
+from ..flush.decode import build_window
 from .devices import host_to_device, index_tensor
 from .layers import LayerSpec
 from .layout import (
@@ -24,7 +24,7 @@ from .layout import (
     SAMPLE_WEIGHT_SQ, STEP_FAILED, SYNC_VOTE, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout,
 )  # fmt: skip
 from .param_stats import ParamStats, StepRows
-from .window import Window
+from ..flush.window import Window
 
 log = logging.getLogger("gradwatch")
 

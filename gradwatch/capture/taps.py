@@ -41,7 +41,7 @@ import torch
 
 from .buffer import stat_dtype
 from .layers import LayerSpec, grad_tensors
-from .sharding import local_tensor
+from ..distributed.sharding import local_tensor
 
 #: Projection weights are drawn once for up to this many rows (64 KiB); longer gradients
 #: generate theirs (four more ops, on sampled steps only).

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from .alerts import Finding
-from .config import HealthConfig
-from .window import Window
+from ..alerts import Finding
+from ..config import HealthConfig
+from ..flush.window import Window
 
 log = logging.getLogger("gradwatch")
 

@@ -9,7 +9,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from . import compiled
+from .. import _compat as compiled
 
 ROOT_NAME = "<root>"
 

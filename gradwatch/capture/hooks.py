@@ -19,11 +19,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import compiled
+from .. import _compat as compiled
 from .layers import LayerSpec
 
 if TYPE_CHECKING:
-    from .capture import OutputTap
+    from .taps import OutputTap
 
 
 class HookSet:

@@ -32,15 +32,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .buffer import StatBuffer
-from .devices import host_to_device, index_tensor
-from .layers import LayerSpec
-from .layout import (
+from ..capture.buffer import StatBuffer
+from ..capture.devices import host_to_device, index_tensor
+from ..capture.layers import LayerSpec
+from ..capture.layout import (
     FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, SAMPLE_UPDATE_SQ,
     SAMPLE_WEIGHT_SQ, STEP_FAILED, SYNC_VOTE, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout, declare_states,
     starts,
 )  # fmt: skip
-from .param_stats import ParamStats
+from ..capture.param_stats import ParamStats
 from .tensor_parallel import OutputShare
 
 #: A stage's forward clock values are lifted by (stages after it) x this: more than a clock runs in a step.

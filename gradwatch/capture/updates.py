@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .devices import foreach_norm, index_tensor
-from .sharding import is_dtensor
+from ..distributed.sharding import is_dtensor
 
 log = logging.getLogger("gradwatch")
 
