@@ -13,7 +13,8 @@ non-zero gradient per window, next to what gradwatch reports after each flush.
 Modes: ``subset`` monitors ``expert`` on rank 0 only (include/exclude differ: the ranks agree
 on the union of their layers), and turns reduction off after the first window; ``mismatch`` gives rank 1 an ``expert`` of another width (the
 same name for a different layer: statistics cannot be combined); ``fail`` makes recording
-raise on rank 1 at step 4.
+raise on rank 1 at step 4; ``collective`` makes the first collective of the first flush raise on
+every rank.
 """
 
 from __future__ import annotations
@@ -82,15 +83,16 @@ def body(rank: int, world: int) -> dict:
             return record(rows, present)
 
         monitor._recorder.param_stats.record = failing
-    if mode == "collective" and rank == 1:  # the first collective of the first flush raises here, once
+    collective_calls = [0]
+    if mode == "collective":  # the first collective of the first flush raises on every rank (a broken communicator)
         import torch.distributed as dist
 
-        all_reduce, calls = dist.all_reduce, [0]
+        all_reduce = dist.all_reduce
 
         def failing_collective(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] == 1:
-                raise RuntimeError("forced collective failure on rank 1")
+            collective_calls[0] += 1
+            if collective_calls[0] == 1:
+                raise RuntimeError(f"forced collective failure on rank {rank}")
             return all_reduce(*args, **kwargs)
 
         dist.all_reduce = failing_collective
@@ -128,6 +130,9 @@ def body(rank: int, world: int) -> dict:
         model.zero_grad()
         if (step + 1) % FLUSH_EVERY == 0:
             w = monitor.last_window
+            if w is None or w.steps[-1] != step:
+                windows.append(None)  # this flush's window was dropped
+                continue
             windows.append({
                 "steps": w.steps,
                 "out_grad_norm": {n: [float(v) for v in w.out_grad_norm[:, i]] for i, n in enumerate(w.layers)},
@@ -142,10 +147,10 @@ def body(rank: int, world: int) -> dict:
     sync = monitor.sync_dist
     monitor.close()
     if mode == "collective":
-        import torch.distributed as dist
-
+        dist.all_reduce = all_reduce
         dist.barrier()  # both ranks got here: nobody waited forever
-    return {"steps": steps, "windows": windows, "sync_dist": sync, "warnings": warnings}
+    return {"steps": steps, "windows": windows, "sync_dist": sync, "warnings": warnings,
+            "collective_calls": collective_calls[0]}
 
 
 if __name__ == "__main__":

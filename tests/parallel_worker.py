@@ -246,6 +246,7 @@ def body(rank: int, world: int) -> dict:
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05) if twin is not None else None
     twin_gap: list[float] = []  # max |monitored - twin| over the parameters, after each step
     placements: list[dict[str, str]] = []  # the norm's gradient placements after monitor.step()
+    grad_identity: list[bool] = []  # every p.grad the same object and placement after monitor.step()
     refs = References(named)
     sent: list[tuple[int, dict]] = []
     monitor = GradMonitor(
@@ -261,9 +262,12 @@ def body(rank: int, world: int) -> dict:
             run_step(step)
         norms, maxima = grad_refs(named)
         before = weights(named)
+        grads_before = {n: (p.grad, str(getattr(p.grad, "placements", ""))) for n, p in model.named_parameters()}
         alerts = monitor.step()
-        if twin is not None:
+        if twin is not None:  # hands off: every p.grad the same object, with the same placements
             placements.append({n: str(p.grad.placements) for n, p in model.norm.named_parameters()})
+            grad_identity.append(all(p.grad is grads_before[n][0] and str(p.grad.placements) == grads_before[n][1]
+                                     for n, p in model.named_parameters()))  # fmt: skip
         opt.step()
         if twin_opt is not None:
             twin_opt.step()
@@ -293,6 +297,7 @@ def body(rank: int, world: int) -> dict:
         "calls": refs.calls,
         "twin_gap": twin_gap,
         "norm_grad_placements": placements,
+        "grad_identity": grad_identity,
         "sent": sent if rank == 0 else [],
         "alerts": [(a.kind, a.layer, a.message) for a in monitor.alerts],
     }

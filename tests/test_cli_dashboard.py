@@ -183,7 +183,7 @@ def test_the_window_of_an_alert_always_gets_its_heatmap(tmp_path):
 
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     with GradMonitor(model, logdir=str(tmp_path), flush_every=5) as monitor:
-        clock = _fake_heatmap_clock(monitor._sink)
+        clock = _fake_heatmap_clock(monitor._outputs.tensorboard)
         for step in range(60):  # 0.1 ms steps, 10 ms drawings: the 1% budget leaves most windows undrawn
             clock.advance(1e-4)
             out = model(torch.randn(4, 4))
@@ -375,8 +375,8 @@ def _heatmap_steps(tmp_path, budget, steps=7, step_seconds=1e-4):
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
     with GradMonitor(model, logdir=str(tmp_path), flush_every=2) as monitor:
         if budget is not None:
-            monitor._sink.heatmap_budget = budget
-        clock = _fake_heatmap_clock(monitor._sink)
+            monitor._outputs.tensorboard.heatmap_budget = budget
+        clock = _fake_heatmap_clock(monitor._outputs.tensorboard)
         for _ in range(steps):  # full windows of 2 steps, the last one partial, flushed by close()
             clock.advance(step_seconds)  # a drawing takes 10 ms on this clock
             model(torch.randn(2, 3)).sum().backward()

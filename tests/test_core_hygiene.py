@@ -95,7 +95,7 @@ def test_no_host_sync_between_flushes(monkeypatch, param_path):
     monitor = GradMonitor(model, flush_every=5)
     _train(model, opt, monitor, 5, monkeypatch)  # warm up: first window, caches built, one flush
     monitored = _train(model, opt, monitor, 4, monkeypatch)  # steps 5..8: none of them flushes
-    assert monitor._readback.host_path == (param_path == "cpu-path") and monitor._per_step
+    assert monitor._judge._readback.host_path == (param_path == "cpu-path") and monitor._per_step
     base_count = max(c for c, _ in baseline)
     for count, ops in monitored:
         assert count <= base_count, f"gradwatch read the device back between flushes: {ops}"

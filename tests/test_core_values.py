@@ -269,10 +269,10 @@ def test_buffer_memory_does_not_grow():
         sizes.append(monitor.buffer_bytes)
     assert len(set(sizes)) == 1
     # float64, declared at attach: per step 4 values per parameter tensor (4 tensors), 5 per
-    # layer (2 layers) and 1 failure mark, over 3 steps; per window 9 units and the sync vote.
+    # layer (2 layers) and 1 failure mark, over 3 steps; per window 9 units.
     # The step's cells: 2 forward and 3 backward values per layer, the units, the clock; and
     # the float32 projection weights (16384).
-    assert sizes[0] == 8 * (3 * (4 * 4 + 5 * 2 + 1) + 9 + 1) + 8 * (5 * 2 + 9 + 1) + 4 * 16384
+    assert sizes[0] == 8 * (3 * (4 * 4 + 5 * 2 + 1) + 9) + 8 * (5 * 2 + 9 + 1) + 4 * 16384
     monitor.close()
 
 

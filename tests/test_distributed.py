@@ -83,17 +83,26 @@ def test_a_failure_on_one_rank_leaves_no_rank_waiting(tmp_path):
     assert sum("forced failure" in m for m in ranks[1]["warnings"]) == 1
 
 
-def test_a_collective_failing_on_one_rank_turns_reduction_off_on_every_rank_together(tmp_path):
-    # rank 1's first collective raises: it retries with its vote set, rank 0 (waiting in that
-    # collective) gets the vote, and both turn reduction off after the same flush.
+def test_a_failed_collective_is_never_retried_and_reduction_stops_with_one_warning(tmp_path):
+    # the first collective of the first flush raises on every rank (the communicator is broken)
     ranks = spawn("tests.conditional_worker", 2, str(tmp_path / "out"), "collective")
     for r in ranks:
         assert r["sync_dist"] is False
-        assert sum("reduction failed on some rank" in m for m in r["warnings"]) == 1, r["warnings"]
-    # the first window was still reduced (the retry went through): the same numbers on both ranks
-    assert ranks[0]["windows"][0]["out_grad_norm"] == ranks[1]["windows"][0]["out_grad_norm"]
-    # later windows are each rank's own: rank 0's gate sees its own 4 dead units of 8
+        assert sum("is not retried" in m for m in r["warnings"]) == 1, r["warnings"]
+        # exactly one collective was attempted: no retry, and none at the second flush
+        assert r["collective_calls"] == 1
+        assert r["windows"][0] is None  # a half-reduced window is dropped, not guessed
+    # the second window is each rank's own: rank 0's gate sees its own 4 dead units of 8
     assert ranks[0]["windows"][1]["dead_fraction"]["gate"] == 0.5
+    assert ranks[1]["windows"][1]["dead_fraction"]["gate"] == 0.25
+
+
+def test_an_exception_on_one_rank_closes_its_monitor_without_a_collective(tmp_path):
+    # rank 0 raises inside `with GradMonitor(...)`; both ranks then make the user's own all_reduce
+    ranks = spawn("tests.exception_worker", 2, str(tmp_path / "out"), "plain")
+    for r in ranks:
+        assert r["user_sum"] == [2.0, 2.0, 2.0]  # ones from both ranks: the user's collective met the other rank's
+        assert r["gradwatch_collectives"]["reduce"] == 0
 
 
 @needs_fully_shard

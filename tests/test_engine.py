@@ -140,7 +140,7 @@ def test_a_disk_that_fails_every_write_costs_a_few_warnings_not_the_run(tmp_path
         monkeypatch.setattr(event_file_writer.EventFileWriter, "add_event", no_space)
     monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=5)
     if full_from == "after-opening":
-        assert monitor._sink is not None
+        assert monitor._outputs.tensorboard is not None
         monkeypatch.setattr(event_file_writer.EventFileWriter, "add_event", no_space)
         monkeypatch.setattr(event_file_writer.EventFileWriter, "flush", no_space)
         monkeypatch.setattr(event_file_writer.EventFileWriter, "close", no_space)

@@ -155,7 +155,6 @@ def test_a_callback_reused_for_another_train_starts_fresh(tmp_path):
     first, _ = _train(tmp_path / "a", [watch], max_grad_norm=1.0, steps=20)
     assert first.state.global_step == 1 and watch.alerts
     watch.config = HealthConfig()  # the same callback object, now without the stopping rule
-    watch.monitor = None
     second, _ = _train(tmp_path / "b", [watch], max_grad_norm=1.0, steps=6)
     assert second.state.global_step == 6  # not stopped by the first run's stop
     assert watch.alerts == []  # nothing carried over
@@ -229,3 +228,71 @@ def test_torchrun_two_cpu_processes_rank_zero_writes(tmp_path):
     assert sorted(scalars["gradwatch/global/grad_norm"]) == sorted(logged) == [1, 2, 3, 4]
     for step, value in logged.items():  # DDP-averaged gradients, as the Trainer logs them
         assert scalars["gradwatch/global/grad_norm"][step] == pytest.approx(value, rel=1e-4)
+
+
+def _checkpointed_run(out, watch, steps, resume=None):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                     bos_token_id=0, eos_token_id=0)  # fmt: skip
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=2, learning_rate=0.0, logging_steps=1,
+        report_to=[], use_cpu=True, save_strategy="steps", save_steps=4, seed=0, data_seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=_Tokens(),
+                                   callbacks=[watch])  # fmt: skip
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def test_the_callbacks_state_round_trips_through_a_trainer_checkpoint(tmp_path):
+    import json
+
+    from gradwatch import HealthConfig
+
+    config = HealthConfig(exploding_abs_norm=1e-6)  # every step's norm is "exploding": one condition
+    first = GradWatchCallback(flush_every=2, config=config)
+    _checkpointed_run(tmp_path, first, steps=4)
+    before = [a for a in first.alerts]
+    assert before and all(a.step <= 4 for a in before)
+    with open(tmp_path / "checkpoint-4" / "trainer_state.json") as f:
+        saved = json.load(f)["stateful_callbacks"]["GradWatchCallback"]
+    assert saved["attributes"]["restored_state"]["tracker"]["active"]  # the condition is in the checkpoint
+    assert saved["args"]["config"]["exploding_abs_norm"] == 1e-6
+
+    resumed = GradWatchCallback(flush_every=2, config=config)
+    states = []
+    original = GradWatchCallback.on_train_begin
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        states.append(self.monitor.state_dict())
+
+    GradWatchCallback.on_train_begin = spy
+    try:
+        _checkpointed_run(tmp_path, resumed, steps=8, resume=str(tmp_path / "checkpoint-4"))
+    finally:
+        GradWatchCallback.on_train_begin = original
+    restored = saved["attributes"]["restored_state"]
+    # the detector state right after resuming is the checkpoint's
+    assert json.loads(json.dumps(states[0]["checks"])) == restored["checks"]
+    assert states[0]["tracker"]["active"] == restored["tracker"]["active"]
+    # the condition that was active before the checkpoint is not a new onset after it
+    assert [a for a in resumed.alerts if a.step > 4] == []
+    assert [(a.kind, a.layer, a.step) for a in resumed.alerts] == [(a.kind, a.layer, a.step) for a in before]
+
+
+def test_without_the_checkpoints_state_the_same_resume_raises_new_onsets(tmp_path):
+    # the control of the test above: a fresh callback state on resume raises the condition again
+    from gradwatch import HealthConfig
+
+    config = HealthConfig(exploding_abs_norm=1e-6)
+    _checkpointed_run(tmp_path, GradWatchCallback(flush_every=2, config=config), steps=4)
+    state_file = tmp_path / "checkpoint-4" / "trainer_state.json"
+    import json
+
+    state = json.loads(state_file.read_text())
+    state["stateful_callbacks"]["GradWatchCallback"]["attributes"]["restored_state"] = {}
+    state_file.write_text(json.dumps(state))
+    resumed = GradWatchCallback(flush_every=2, config=config)
+    _checkpointed_run(tmp_path, resumed, steps=8, resume=str(tmp_path / "checkpoint-4"))
+    assert [a for a in resumed.alerts if a.step > 4]

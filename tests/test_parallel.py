@@ -201,9 +201,11 @@ def test_sequence_parallel_norms_and_token_sharded_outputs_give_the_full_models_
     assert sent[1]["gradwatch/dead_fraction/fc1"] == pytest.approx(5 / 16)
     for r in ranks:
         assert r["sync_dist"] and not r["warnings"], r["warnings"]
-        # gradwatch reduced the norm's Partial gradients in step(), as the optimizer would have, and
-        # left them reduced for it: training is that of an unmonitored twin, to the bit
-        assert all(p == {"weight": "(Replicate(),)", "bias": "(Replicate(),)"} for p in r["norm_grad_placements"])
+        # hands off: gradwatch read a private reduced copy of the norm's Partial gradients; every
+        # p.grad is the same object with the same (Partial) placement after step(), and training is
+        # that of an unmonitored twin, to the bit
+        assert all("Partial" in p["weight"] and "Partial" in p["bias"] for p in r["norm_grad_placements"])
+        assert r["grad_identity"] == [True] * STEPS
         assert r["twin_gap"] == [0.0] * STEPS
 
 

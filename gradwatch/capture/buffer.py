@@ -124,30 +124,17 @@ class StatBuffer:
         for name, values in self.host.items():
             self._views[name].copy_(torch.from_numpy(values).to(self.dtype), non_blocking=False)
 
-    def all_reduce(self, group: object = None, vote: str | None = None) -> None:
-        """Combine the states across ranks: one collective per reduction kind present.
-
-        ``vote``: a max-reduced state. A collective that raises on this rank is retried once
-        with the vote set (the other ranks are waiting in that same collective), so every rank
-        learns from the reduced vote that a rank failed, and decides the same thing next; a
-        second failure raises.
-        """
-        import torch.distributed as dist
-
-        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-        for kind, op in ops.items():
+    def reduction_spans(self) -> list[tuple[str, torch.Tensor]]:
+        """(reduction kind, flat view) of each kind that ranks combine ("sum", "max"): what
+        ``distributed.collectives.Collectives.reduce_states`` reduces, one collective each."""
+        spans = []
+        for kind in ("sum", "max"):
             members = [s for s in self._states.values() if s.reduce == kind]
-            if not members:
-                continue
-            start = min(s.offset for s in members)
-            stop = max(s.offset + s.numel for s in members)
-            try:
-                dist.all_reduce(self._storage[start:stop], op=op, group=group)
-            except Exception:
-                if vote is None:
-                    raise
-                self._views[vote].fill_(1)
-                dist.all_reduce(self._storage[start:stop], op=op, group=group)
+            if members:
+                start = min(s.offset for s in members)
+                stop = max(s.offset + s.numel for s in members)
+                spans.append((kind, self._storage[start:stop]))
+        return spans
 
     def to_host(self) -> dict[str, np.ndarray]:
         """Every state as a float64 numpy array, in one device-to-host transfer (this synchronises)."""

@@ -26,8 +26,6 @@ OUT_GRAD = "out_grad"
 FWD_SUM = "fwd_sum"  # [F, L] running sum of the outputs over the window: non-finite from the step an output was
 FWD_ORDER = "fwd_order"  # [F, L] the forward clock at the layer's first call (0: not recorded)
 STEP_FAILED = "step_failed"  # host [F] ranks on which recording this step failed
-#: host [1] max: some rank's collective failed at this flush; every rank turns reduction off after it
-SYNC_VOTE = "sync_vote"
 # Window states.
 UNIT_ACC = "unit_acc"  # [U] per unit: zero exactly for dead units
 # Update-to-weight ratio (with an optimizer): one row per measured optimizer step, at most
@@ -105,7 +103,7 @@ def declare_states(buffer: StatBuffer, flush_every: int, n_params: int, n_layers
     of several ranks' (``mesh.py``) declare the same states, with their own reductions.
 
     ``params``: the reductions of the per-tensor (sums, maxima); ``samples``: that of the per-step
-    update sample; ``host_counts``: the counts the host knows (present, failed, vote, seen) are host
+    update sample; ``host_counts``: the counts the host knows (present, failed, seen) are host
     states (a rank's own buffer) rather than device states (a union, copied from a rank's buffer).
     """
     F, p, n = flush_every, n_params, n_layers
@@ -119,7 +117,6 @@ def declare_states(buffer: StatBuffer, flush_every: int, n_params: int, n_layers
     buffer.add_state(FWD_SUM, (F, n), "sum")
     buffer.add_state(FWD_ORDER, (F, n), "max")
     buffer.add_state(STEP_FAILED, (F,), "sum", host=host_counts)
-    buffer.add_state(SYNC_VOTE, (1,), "max", host=host_counts)
     buffer.add_state(UNIT_ACC, (n_units,), "sum")
     if track_updates:
         buffer.add_state(UPDATE_SQ, (F + 1, p), param_sum)

@@ -33,13 +33,14 @@ import logging
 import math
 import operator
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
 from .devices import foreach_norm, host_to_device
 from .layers import LayerSpec
-from ..distributed.sharding import is_dtensor, local_piece, reduce_partials
+from ..distributed.sharding import is_dtensor, is_partial, local_piece, piece_weight
 
 log = logging.getLogger("gradwatch")
 
@@ -240,7 +241,13 @@ class _Group:
 class ParamStats:
     """Per-tensor sum of squares, max |g| and non-finite count of the layers' parameter gradients."""
 
-    def __init__(self, layers: list[LayerSpec], device: torch.device, world_size: int = 1) -> None:
+    def __init__(
+        self,
+        layers: list[LayerSpec],
+        device: torch.device,
+        world_size: int = 1,
+        reduce_partials: Callable[[list[torch.Tensor]], list[torch.Tensor] | None] | None = None,
+    ) -> None:
         params: list[torch.nn.Parameter] = []
         owner: list[int] = []
         sparse_capable: set[int] = set()
@@ -256,6 +263,8 @@ class ParamStats:
         self.sharded = any(is_dtensor(p) for p in params)
         #: DTensor parameters replicated on some mesh dim: their gradients may be Partial there
         self._dtensors = [p for p in params if is_dtensor(p) and any(pl.is_replicate() for pl in p.placements)]
+        #: ``Collectives.reduce_partials``: a private reduced copy of Partial gradients (None: no collective)
+        self._reduce_partials = reduce_partials
         self.device = device
         self.cpu_fast = CPU_FAST_PATH
         #: Non-finite elements are counted at every step (the CPU path's host check), not only on
@@ -322,8 +331,7 @@ class ParamStats:
         # Every Python operation here runs right after backward has evicted the interpreter's
         # working set from the caches, at ~10x its usual price: the common case is kept short.
         weights: list[tuple[int, float]] = []
-        if self._dtensors:  # Partial gradients: reduced once for all, as the optimizer would (sharding.py)
-            reduce_partials(self._dtensors)
+        private = self._reduced_partials() if self._dtensors else {}
         for group in self._groups if rows.max is not None else self._light_groups:
             key = group.key
             if key is not None and (group.params[0].dtype != key[1] or group.params[0].device != key[0]):
@@ -340,7 +348,8 @@ class ParamStats:
                     continue
                 column = group.cols.start + offset
                 if is_dtensor(g):
-                    g, weight = local_piece(g, self.world_size)
+                    reduced = private.get(id(g))
+                    g, weight = (reduced, piece_weight(g, self.world_size)) if reduced is not None else local_piece(g, self.world_size)
                     weights.append((column, weight))
                 if g.is_sparse:
                     g = g.coalesce()._values()
@@ -350,6 +359,13 @@ class ParamStats:
                 self._reduce(_group_key(g, self.cpu_fast, dense=True), [g], rows.part(slice(column, column + 1)))
         if self.sharded:
             self._apply_weights(rows, weights)
+
+    def _reduced_partials(self) -> dict[int, torch.Tensor]:
+        """id(gradient) -> its reduced private copy, for the Partial gradients (read-only: ``p.grad``
+        is never replaced); empty where no collective may be made (their pending sums are read)."""
+        partial = [p.grad for p in self._dtensors if is_partial(p.grad)]
+        reduced = self._reduce_partials(partial) if partial and self._reduce_partials is not None else None
+        return {} if reduced is None else {id(g): r for g, r in zip(partial, reduced)}
 
     def _reduce(self, key: tuple, grads: list[torch.Tensor], rows: StepRows) -> None:
         device, dtype, large = key

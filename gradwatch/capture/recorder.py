@@ -21,7 +21,7 @@ from .devices import host_to_device, index_tensor
 from .layers import LayerSpec
 from .layout import (
     FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, SAMPLE_UPDATE_SQ,
-    SAMPLE_WEIGHT_SQ, STEP_FAILED, SYNC_VOTE, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout,
+    SAMPLE_WEIGHT_SQ, STEP_FAILED, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout,
 )  # fmt: skip
 from .param_stats import ParamStats, StepRows
 from ..flush.window import Window
@@ -42,11 +42,12 @@ class Recorder:
         world_size: int = 1,
         track_updates: bool = False,
         sample_every: int = 1,
+        reduce_partials: Callable[[list[torch.Tensor]], list[torch.Tensor] | None] | None = None,
     ) -> None:
         self.flush_every = flush_every
         self.device = device
         self._scale_source = scale_source
-        self.param_stats = ParamStats(layers, device, world_size)
+        self.param_stats = ParamStats(layers, device, world_size, reduce_partials)
         self.layout = Layout(layers, self.param_stats, flush_every, device, track_updates, sample_every)
         self.names = self.layout.names
         self.buffer = buffer = self.layout.buffer
@@ -59,7 +60,6 @@ class Recorder:
         self.cells.set_unit_sums(not project_units)
         self.plan = self.cells.plan
         self.slot = 0
-        self.last_vote = False  # the reduced sync vote of the last snapshot
         self.update_steps: list[int] = []  # the optimizer step each update row describes
         self._update_weights: torch.Tensor | None = None  # per-column weights when sharded
         self._failures: set[str] = set()
@@ -205,7 +205,6 @@ class Recorder:
         """
         layout = self.layout if layout is None else layout
         host = layout.buffer.to_host()
-        self.last_vote = bool(host[SYNC_VOTE][0] > 0)  # a rank's collective failed at this flush
         return build_window(host, steps, layout, self.update_steps, dead_eps, scaler_in_use)
 
     def reset_window(self) -> None:

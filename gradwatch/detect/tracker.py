@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Any, Callable
 
 from ..alerts import Alert, Finding, format_message
 
 log = logging.getLogger("gradwatch")
+
+#: How many of the most recent alerts a monitor keeps (``GradMonitor.alerts``, checkpoints).
+KEEP_ALERTS = 1000
 
 
 def _key(f: Finding) -> tuple[str, str]:
@@ -36,7 +40,9 @@ class AlertTracker:
         # Distributed runs: every rank tracks the same (reduced) alerts, one rank logs them.
         self._log_alerts = log_alerts
         self._position = {name: i for i, name in enumerate(layers or [])}
-        self.alerts: list[Alert] = []
+        #: the most recent alerts (a bounded ring: every alert stays in the log and the event files)
+        self.alerts: deque[Alert] = deque(maxlen=KEEP_ALERTS)
+        self.raised = 0  #: every alert raised, counted
         # (kind, layer) -> [flushes since it was last logged, consecutive clear flushes]
         self.active: dict[tuple[str, str], list[int]] = {}
         self.onsets: dict[tuple[str, str], int] = {}  # how often each condition began
@@ -106,6 +112,7 @@ class AlertTracker:
         """A condition begins: its Alert, kept; the condition active from now on."""
         alert = Alert(f.kind, f.layer, int(f.step), float(f.value), float(f.threshold), format_message(f))
         self.alerts.append(alert)
+        self.raised += 1
         self.active[key] = [0, 0]
         self.onsets[key] = self.onsets.get(key, 0) + 1
         return alert
@@ -157,13 +164,15 @@ class AlertTracker:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "alerts": [a.to_dict() for a in self.alerts],
+            "alerts": [a.to_dict() for a in self.alerts],  # at most KEEP_ALERTS: a checkpoint of bounded size
+            "raised": self.raised,
             "active": [[k, layer, since, clear] for (k, layer), (since, clear) in self.active.items()],
             "onsets": [[k, layer, n] for (k, layer), n in self.onsets.items()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.alerts = [Alert(**a) for a in state.get("alerts", [])]
+        self.alerts = deque((Alert(**a) for a in state.get("alerts", [])), maxlen=KEEP_ALERTS)
+        self.raised = int(state.get("raised", len(self.alerts)))
         self.active = {(entry[0], entry[1]): [int(entry[2]), int(entry[3]) if len(entry) > 3 else 0]
                        for entry in state.get("active", [])}  # fmt: skip
         self.onsets = {(k, layer): int(n) for k, layer, n in state.get("onsets", [])}

@@ -37,7 +37,7 @@ from ..capture.devices import host_to_device, index_tensor
 from ..capture.layers import LayerSpec
 from ..capture.layout import (
     FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, SAMPLE_UPDATE_SQ,
-    SAMPLE_WEIGHT_SQ, STEP_FAILED, SYNC_VOTE, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout, declare_states,
+    SAMPLE_WEIGHT_SQ, STEP_FAILED, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout, declare_states,
     starts,
 )  # fmt: skip
 from ..capture.param_stats import ParamStats
@@ -247,7 +247,6 @@ class MeshLayout:
         order = local[FWD_ORDER]
         union[FWD_ORDER].index_copy_(1, self._layers, torch.where(order > 0, order + self._stage_lift, order))
         union[STEP_FAILED].copy_(local[STEP_FAILED])
-        union[SYNC_VOTE].copy_(local[SYNC_VOTE])
         union[UNIT_ACC].index_copy_(0, self._units, weighted(local[UNIT_ACC], self._unit_weights))
         if self._local.track_updates:
             for name in (UPDATE_SQ, WEIGHT_SQ):

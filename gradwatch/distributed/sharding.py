@@ -17,11 +17,10 @@ twice). A plain tensor in a sharded model is replicated everywhere: weight
 
 A gradient with a ``Partial`` placement holds pending sums, whose squares do not
 add up (FSDP2 gradients are never Partial; those of the norms under sequence
-parallelism are). They are reduced to ``Replicate`` in step(), all of them in one
-``all_reduce`` per mesh dim (:func:`reduce_partials`, not one collective per tensor),
-and the reduced gradients replace ``p.grad``: the optimizer would make that same
-reduction at its step (a Replicate parameter cannot be updated by a Partial
-gradient), tensor by tensor, so it is moved earlier and batched, not added.
+parallelism are). gradwatch never changes such a gradient: at step() it reduces a
+private copy of their local pieces, all of them in one ``all_reduce`` per mesh dim
+(``collectives.Collectives.reduce_partials``), and reads its statistics from that copy,
+with the weight of a Replicate placement on those dims.
 """
 
 from __future__ import annotations
@@ -52,53 +51,18 @@ def is_partial(tensor: Any) -> bool:
     return is_dtensor(tensor) and any(p.is_partial() for p in tensor.placements)
 
 
-def reduce_partials(params: list[torch.nn.Parameter]) -> None:
-    """Replace every Partial(sum) DTensor gradient of ``params`` by its Replicate reduction: one
-    ``all_reduce`` per (mesh, Partial mesh dims, dtype) over all of them (other reduce ops: one
-    redistribute each)."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, Replicate
-
-    batches: dict[tuple, list[torch.nn.Parameter]] = {}
-    for p in params:
-        g = p.grad
-        if not is_partial(g):
-            continue
-        if any(pl.is_partial() and getattr(pl, "reduce_op", "sum") != "sum" for pl in g.placements):
-            p.grad = reduce_partial(g)
-            continue
-        dims = tuple(d for d, pl in enumerate(g.placements) if pl.is_partial())
-        batches.setdefault((id(g.device_mesh), dims, g.dtype), []).append(p)
-    for (_, dims, _), members in batches.items():
-        grads = [p.grad for p in members]
-        mesh = grads[0].device_mesh
-        pieces = [g.to_local() for g in grads]
-        flat = torch.cat([piece.reshape(-1) for piece in pieces])
-        for dim in dims:
-            dist.all_reduce(flat, group=mesh.get_group(dim))
-        offset = 0
-        for p, g, piece in zip(members, grads, pieces):
-            n = piece.numel()
-            reduced = flat[offset : offset + n].view(piece.shape)
-            offset += n
-            placements = [Replicate() if pl.is_partial() else pl for pl in g.placements]
-            p.grad = DTensor.from_local(reduced, mesh, placements, run_check=False, shape=g.shape, stride=g.stride())
-
-
-def reduce_partial(grad: torch.Tensor) -> torch.Tensor:
-    """A Partial DTensor gradient reduced to Replicate on its Partial mesh dims (one collective)."""
-    from torch.distributed.tensor import Replicate
-
-    return grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
-
-
 def local_piece(grad: torch.Tensor, world_size: int) -> tuple[torch.Tensor, float]:
-    """(the local tensor to reduce, its weight in a world-wide sum) for one gradient."""
+    """(the local tensor to reduce, its weight in a world-wide sum) for one gradient; a Partial
+    gradient's local piece is its pending sum (the caller reads a reduced private copy instead)."""
     if not is_dtensor(grad):
         return grad, 1.0 / world_size
-    if is_partial(grad):
-        grad = reduce_partial(grad)
-    return grad.to_local(), distinct_pieces(grad.device_mesh, tuple(grad.placements)) / world_size
+    return grad.to_local(), piece_weight(grad, world_size)
+
+
+def piece_weight(tensor: Any, world_size: int) -> float:
+    """A DTensor's local piece's weight in a world-wide sum (Partial dims count as replicated: the
+    weight of its reduced copy)."""
+    return distinct_pieces(tensor.device_mesh, tuple(tensor.placements)) / world_size
 
 
 def distinct_pieces(mesh: Any, placements: tuple) -> int:

@@ -27,9 +27,11 @@ import os
 import sys
 from typing import Any, Optional, Union
 
-from ..alerts import Alert, GradientHealthError
+from ..alerts import Alert
 from ..config import HealthConfig
-from ..monitor import GradMonitor, check_settings
+from ..monitor import GradMonitor
+from ..settings import check_settings
+from .lifecycle import MonitorLifecycle, config_from, config_to_json, discover_scaler
 
 log = logging.getLogger("gradwatch")
 
@@ -42,7 +44,15 @@ except ImportError as exc:  # pragma: no cover - only without transformers
     ) from exc
 
 
-class GradWatchCallback(TrainerCallback):
+try:  # transformers >= 4.42 saves the state of ExportableState callbacks in its checkpoints
+    from transformers.trainer_callback import ExportableState as _ExportableState
+except ImportError:  # pragma: no cover - older transformers: no callback state in checkpoints
+
+    class _ExportableState:  # type: ignore[no-redef]
+        pass
+
+
+class GradWatchCallback(TrainerCallback, _ExportableState):
     """Monitor gradient health during ``Trainer.train()``; the same knobs as ``GradWatch``.
 
     Args:
@@ -55,27 +65,30 @@ class GradWatchCallback(TrainerCallback):
             ``<output_dir>/gradwatch``.
         histograms: also write per-layer gradient histograms at each flush (costly).
         detail: ``"standard"`` (default) or ``"full"`` (every statistic at every step).
+
+    Its state (detector baselines, alert state) is saved in the Trainer's checkpoints
+    (``TrainerState.stateful_callbacks``) and restored by ``resume_from_checkpoint``: an alert
+    raised before the checkpoint is not a new onset after it.
     """
 
     def __init__(
         self,
         flush_every: int = 50,
-        config: Optional[HealthConfig] = None,
+        config: Union[HealthConfig, dict, None] = None,
         include: Union[str, list[str], None] = None,
         exclude: Union[str, list[str], None] = None,
         logdir: Optional[str] = None,
         histograms: bool = False,
         detail: str = "standard",
     ) -> None:
-        self.config = check_settings(flush_every, config, detail)
+        self.config = check_settings(flush_every, config_from(config), detail)
         self.flush_every = flush_every
         self.include = include
         self.exclude = exclude
         self.logdir = logdir
         self.histograms = histograms
         self.detail = detail
-        self.monitor: Optional[GradMonitor] = None
-        self._alerts: list[Alert] = []
+        self._lifecycle = MonitorLifecycle()
         self._state: Any = None  # the Trainer's TrainerState, for the step number
         self._scaler: Any = None  # accelerate's GradScaler under fp16 AMP
         self._recorded_at: Optional[int] = None  # the last step recorded before clipping
@@ -86,34 +99,58 @@ class GradWatchCallback(TrainerCallback):
         self._wrapped: list[tuple[Any, str]] = []
 
     @property
+    def monitor(self) -> Optional[GradMonitor]:
+        """The monitor during ``train()``; None outside it."""
+        return self._lifecycle.monitors[0] if self._lifecycle.monitors else None
+
+    @property
     def alerts(self) -> list[Alert]:
-        """Every alert raised during training (kept after training ends)."""
-        return list(self.monitor.alerts) if self.monitor is not None else list(self._alerts)
+        """Every alert raised during training (kept after training ends; the most recent ones)."""
+        return self._lifecycle.current_alerts()
+
+    # ----------------------------------------------------------------- state
+    def state(self) -> dict[str, Any]:
+        """What a Trainer checkpoint keeps (``ExportableState``): the arguments, and the monitor's state."""
+        return {
+            "args": {
+                "flush_every": self.flush_every, "config": config_to_json(self.config), "include": self.include,
+                "exclude": self.exclude, "logdir": self.logdir, "histograms": self.histograms, "detail": self.detail,
+            },
+            "attributes": {"restored_state": self._lifecycle.state()},
+        }  # fmt: skip
+
+    @property
+    def restored_state(self) -> dict[str, Any]:
+        """The monitor's state (as :meth:`state` saves it)."""
+        return self._lifecycle.state()
+
+    @restored_state.setter
+    def restored_state(self, value: dict[str, Any]) -> None:
+        """Set by the Trainer when it resumes from a checkpoint: loaded into the next train()'s monitor."""
+        self._lifecycle.load(value)
 
     # ------------------------------------------------------------ lifecycle
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
         self._detach()
-        # Every train() starts fresh (a reused callback carries nothing over).
-        self._alerts, self._stop, self._recorded_at, self._warned_after_clip = [], False, None, False
+        # Every train() starts fresh (a reused callback carries nothing over but a restored checkpoint).
+        self._stop, self._recorded_at, self._warned_after_clip = False, None, False
         trainer = _find_trainer(self)
         accelerator = getattr(trainer, "accelerator", None)
-        scaler = getattr(accelerator, "scaler", None)
         writer, logdir = self._outputs(args, state, trainer)
         self._state = state
-        self._scaler = scaler if scaler is not None and hasattr(scaler, "_scale") else None
-        self.monitor = GradMonitor(
-            model,
-            writer=writer,
-            logdir=logdir,
-            flush_every=self.flush_every,
-            config=self.config,
-            include=self.include,
-            exclude=self.exclude,
-            scaler=self._scaler,
-            histograms=self.histograms,
-            optimizer=getattr(optimizer, "optimizer", optimizer),  # accelerate wraps the optimizer
-            detail=self.detail,
-        )
+        self._scaler = discover_scaler(accelerator)
+        if getattr(state, "global_step", 0) > 0:  # resumed from a checkpoint: its saved state, whatever
+            self._lifecycle.load(_saved_state(state))  # restore_callback_states_from_checkpoint says
+
+        def build() -> GradMonitor:
+            return GradMonitor(
+                model, writer=writer, logdir=logdir, flush_every=self.flush_every, config=self.config,
+                include=self.include, exclude=self.exclude, scaler=self._scaler, histograms=self.histograms,
+                optimizer=getattr(optimizer, "optimizer", optimizer),  # accelerate wraps the optimizer
+                detail=self.detail,
+            )  # fmt: skip
+
+        self._lifecycle.attach([build])
         if accelerator is not None and hasattr(accelerator, "clip_grad_norm_"):
             self._wrap_clip(accelerator)
         if trainer is not None:
@@ -145,7 +182,7 @@ class GradWatchCallback(TrainerCallback):
             try:
                 return original(*args, **kwargs)
             except BaseException:
-                callback._detach()
+                callback._detach(exception=True)  # no collective: the other ranks may never reach one
                 raise
 
         self._install(trainer, "training_step", training_step)
@@ -175,11 +212,8 @@ class GradWatchCallback(TrainerCallback):
             return
         self._recorded_at = step
         scaler = self._scaler
-        try:
-            # Before the clip, accelerate has not unscaled the gradients yet (fp16 AMP).
-            monitor.step(step, grads_scaled=before_clip and scaler is not None and scaler.is_enabled())
-        except GradientHealthError as exc:
-            log.error("gradwatch: stopping training: %s", exc)
+        # Before the clip, accelerate has not unscaled the gradients yet (fp16 AMP).
+        if self._lifecycle.record(monitor, step, before_clip and scaler is not None and scaler.is_enabled()):
             self._stop = True
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -218,18 +252,17 @@ class GradWatchCallback(TrainerCallback):
 
         self._install(tb_callback, "on_train_end", on_train_end)
 
-    def _detach(self) -> None:
+    def _detach(self, exception: bool = False) -> None:
         wrapped, self._wrapped = self._wrapped, []
         for owner, name in wrapped:
             if getattr(owner.__dict__.get(name), "__gradwatch__", False):
                 delattr(owner, name)  # the class's method again
-        if self.monitor is None:
-            return
-        monitor, self.monitor = self.monitor, None
         try:
-            monitor.close()
+            if exception:
+                self._lifecycle.on_exception()
+            else:
+                self._lifecycle.detach()
         finally:
-            self._alerts = monitor.alerts
             self._state = None
 
 
@@ -246,6 +279,14 @@ class _CallbackWriter:
         if writer is None:  # an AttributeError, so that getattr(writer, name, default) works
             raise AttributeError(f"the Trainer's TensorBoard writer is closed or not created yet (wanted {name!r})")
         return getattr(writer, name)
+
+
+def _saved_state(state: Any) -> Optional[dict[str, Any]]:
+    """The monitor state a resumed Trainer's checkpoint holds for this callback (None: none)."""
+    saved = (getattr(state, "stateful_callbacks", None) or {}).get(GradWatchCallback.__name__)
+    if isinstance(saved, list):
+        saved = saved[0] if saved else None
+    return ((saved or {}).get("attributes") or {}).get("restored_state") or None
 
 
 def _find_trainer(callback: object) -> Any:

@@ -11,9 +11,11 @@ import logging
 import os
 from typing import Any, Optional, Union
 
-from ..alerts import Alert, GradientHealthError
+from ..alerts import Alert
 from ..config import HealthConfig
 from ..monitor import GradMonitor
+from ..settings import check_settings
+from .lifecycle import MonitorLifecycle, grads_still_scaled
 
 log = logging.getLogger("gradwatch")
 
@@ -69,8 +71,6 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
         detail: str = "standard",
     ) -> None:
         super().__init__()
-        from ..monitor import check_settings
-
         self.config = check_settings(flush_every, config, detail)
         self.detail = detail
         self.flush_every = flush_every
@@ -78,12 +78,14 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
         self.exclude = exclude
         self.logdir = logdir
         self.histograms = histograms
-        self.monitors: list[GradMonitor] = []  # one per optimizer, during fit
+        self._lifecycle = MonitorLifecycle()  # the monitors (one per optimizer) during fit, and their state
         self._optimizers: list[Any] = []
-        self._restore: Optional[dict[str, Any]] = None  # from a checkpoint, for the next fit only
-        self._final_state: Optional[dict[str, Any]] = None  # the last fit's, for state_dict() after it
-        self._alerts: list[Alert] = []
         self._own_writer: Any = None  # with several optimizers and no logger: their shared writer
+
+    @property
+    def monitors(self) -> list[GradMonitor]:
+        """The monitors of this fit, one per optimizer (empty outside fit)."""
+        return self._lifecycle.monitors
 
     @property
     def monitor(self) -> Optional[GradMonitor]:
@@ -93,9 +95,6 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
     # ------------------------------------------------------------ lifecycle
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._detach()
-        # A new fit starts fresh: nothing of an earlier fit is carried over, only what a
-        # checkpoint restored (load_state_dict) since.
-        self._alerts, self._final_state = [], None
         writer, logdir, metric_loggers = self._outputs(trainer)
         optimizers = list(trainer.optimizers or [None])
         layer_sets = self._layers_per_optimizer(pl_module, optimizers)
@@ -104,46 +103,41 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
 
             writer = self._own_writer = SummaryWriter(log_dir=logdir, max_queue=1000, flush_secs=30)
             logdir = None
-        monitors = []
-        for optimizer, include in zip(optimizers, layer_sets):
-            if not include and len(optimizers) > 1:
-                continue  # an optimizer of no monitored layer
-            monitor = GradMonitor(
-                pl_module,
-                writer=writer,
-                logdir=logdir,
-                flush_every=self.flush_every,
-                config=self.config,
-                include=include,
-                exclude=self.exclude if include is self.include else None,
-                scaler=getattr(trainer.precision_plugin, "scaler", None),
-                histograms=self.histograms,
-                sync_dist=trainer.world_size > 1,
-                optimizer=optimizer,
-                detail=self.detail,
-            )
-            for logger in metric_loggers:
-                monitor.add_metrics_callback(logger.log_metrics)
-            monitors.append(monitor)
-            self._optimizers.append(optimizer)
+        kept = [(opt, include) for opt, include in zip(optimizers, layer_sets) if include or len(optimizers) == 1]
+
+        def factory(optimizer: Any, include: Any) -> Any:
+            def build() -> GradMonitor:
+                monitor = GradMonitor(
+                    pl_module, writer=writer, logdir=logdir, flush_every=self.flush_every, config=self.config,
+                    include=include, exclude=self.exclude if include is self.include else None,
+                    scaler=getattr(trainer.precision_plugin, "scaler", None), histograms=self.histograms,
+                    sync_dist=trainer.world_size > 1, optimizer=optimizer, detail=self.detail,
+                )  # fmt: skip
+                for logger in metric_loggers:
+                    monitor.add_metrics_callback(logger.log_metrics)
+                return monitor
+
+            return build
+
+        try:
+            monitors = self._lifecycle.attach([factory(opt, include) for opt, include in kept])
+        except BaseException:
+            self._close_own_writer()
+            raise
+        self._optimizers = [opt for opt, _ in kept]
         if len(monitors) > 1:
             everyone = [name for monitor in monitors for name in monitor.layers]
             order = {name: i for i, name in enumerate(_module_order(pl_module))}
             everyone.sort(key=lambda name: order.get(name, len(order)))
             for k, monitor in enumerate(monitors):
                 monitor._share_dashboard(everyone, writes_layout=k == 0)
-        self.monitors = monitors
-        restore, self._restore = self._restore, None
-        if restore:
-            self._load(restore)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         self._detach()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        # Other ranks may not reach a collective now: flush this rank's data without one.
-        for monitor in self.monitors:
-            monitor.sync_dist = False
+        # Other ranks may not reach a collective now: close this rank's monitors without one.
+        self._lifecycle.on_exception()
         self._detach()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -166,10 +160,8 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
         monitor = self._monitor_of(optimizer)
         if monitor is None:
             return
-        try:
-            monitor.step(trainer.global_step, grads_scaled=_grads_still_scaled(trainer, optimizer))
-        except GradientHealthError as exc:
-            log.error("gradwatch: stopping training: %s", exc)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if self._lifecycle.record(monitor, trainer.global_step, grads_still_scaled(scaler, optimizer)):
             trainer.should_stop = True
 
     def _monitor_of(self, optimizer: Any) -> Optional[GradMonitor]:
@@ -184,55 +176,28 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        if self.monitors:
-            return self._state_of(self.monitors)
-        if self._final_state is not None:
-            return dict(self._final_state)
-        return dict(self._restore or {})
+        return self._lifecycle.state()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not state_dict:
-            return
-        if self.monitors:
-            self._load(state_dict)
-        else:
-            self._restore = dict(state_dict)
-
-    @staticmethod
-    def _state_of(monitors: list[GradMonitor]) -> dict[str, Any]:
-        if len(monitors) == 1:
-            return monitors[0].state_dict()
-        return {"per_optimizer": [monitor.state_dict() for monitor in monitors]}
-
-    def _load(self, state: dict[str, Any]) -> None:
-        states = state.get("per_optimizer", [state])
-        for monitor, saved in zip(self.monitors, states):
-            monitor.load_state_dict(saved)
+        self._lifecycle.load(state_dict)
 
     @property
     def alerts(self) -> list[Alert]:
-        """Every alert raised during the current (or, after it, the last) fit."""
-        if self.monitors:
-            return [alert for monitor in self.monitors for alert in monitor.alerts]
-        return list(self._alerts)
+        """Every alert raised during the current (or, after it, the last) fit (the most recent ones)."""
+        return self._lifecycle.current_alerts()
 
     # --------------------------------------------------------------- helpers
     def _detach(self) -> None:
-        monitors, self.monitors, self._optimizers = self.monitors, [], []
-        if not monitors:
-            return
+        self._optimizers = []
         try:
-            for monitor in monitors:
-                try:
-                    monitor.close()
-                except GradientHealthError:
-                    pass
+            self._lifecycle.detach()
         finally:
-            self._alerts = [alert for monitor in monitors for alert in monitor.alerts]
-            self._final_state = self._state_of(monitors)
-            writer, self._own_writer = self._own_writer, None
-            if writer is not None:
-                writer.close()
+            self._close_own_writer()
+
+    def _close_own_writer(self) -> None:
+        writer, self._own_writer = self._own_writer, None
+        if writer is not None:
+            writer.close()
 
     def _outputs(self, trainer: Any) -> tuple[Any, Optional[str], list[Any]]:
         """(TensorBoard writer, own log folder, loggers fed through log_metrics), on rank 0.
@@ -295,13 +260,3 @@ def default_logdir(root_dir: str) -> str:
 
 def _is_tensorboard_logger(logger: Any) -> bool:
     return any(cls.__name__ == "TensorBoardLogger" for cls in type(logger).__mro__)
-
-
-def _grads_still_scaled(trainer: Any, optimizer: Any) -> bool:
-    """True when a GradScaler is active but did not unscale this optimizer (fused optimizers)."""
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is None or not scaler.is_enabled():
-        return False
-    state = scaler._per_optimizer_states.get(id(optimizer), {})
-    stage = state.get("stage")
-    return getattr(stage, "name", "") != "UNSCALED"

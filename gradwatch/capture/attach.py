@@ -1,0 +1,52 @@
+"""Building a monitor's capture stage: the recorder (buffer, taps, parameter statistics) and the
+optimizer hooks of update_ratio, wired to a monitor they must not keep alive."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from .layers import LayerSpec
+from .recorder import Recorder
+from .updates import UpdateRatio
+
+
+def build_recorder(monitor: Any, layers: list[LayerSpec], flush_every: int, device: torch.device, *,
+                   scale_source: Callable[[], torch.Tensor | None] | None, project_units: bool, world_size: int,
+                   optimizer: Any, sample_every: int,
+                   reduce_partials: Callable[[list[torch.Tensor]], list[torch.Tensor] | None] | None,
+                   ) -> tuple[Recorder, UpdateRatio | None]:  # fmt: skip
+    """The recorder of ``layers`` and, with ``optimizer``, the update-ratio hooks writing into it.
+
+    The hooks hold the monitor through a weak reference: dropping the monitor removes its hooks.
+    ``monitor`` must have ``_closed`` and ``_next_step`` (the step an update belongs to).
+    """
+    recorder = Recorder(
+        layers, flush_every, device, scale_source, project_units=project_units, world_size=world_size,
+        track_updates=optimizer is not None, sample_every=sample_every, reduce_partials=reduce_partials,
+    )  # fmt: skip
+    if optimizer is None:
+        return recorder, None
+    monitor_ref = weakref.ref(monitor)
+
+    def live() -> bool:
+        current = monitor_ref()
+        return current is not None and not current._closed
+
+    def write_update(columns: Any, index: torch.Tensor, update_sq: torch.Tensor, weight_sq: torch.Tensor) -> None:
+        if live():
+            recorder.write_update(monitor_ref()._next_step - 1, columns, index, update_sq, weight_sq)
+
+    def write_estimate(update_norms: torch.Tensor, weight_norms: torch.Tensor) -> None:
+        if live():
+            recorder.write_estimate(update_norms, weight_norms)
+
+    updates = UpdateRatio(
+        optimizer, recorder.param_stats.params, recorder.param_stats.param_layer, flush_every, write_update,
+        recorder.hook_failed, recorder.buffer.dtype, write_estimate=write_estimate,
+        sample_columns=recorder.layout.sample_columns,
+    )  # fmt: skip
+    return recorder, updates
+

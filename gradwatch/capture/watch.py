@@ -1,0 +1,64 @@
+"""The model changing under the monitor: parameters replaced or moved, hooks that never ran."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .layers import LayerSpec
+
+log = logging.getLogger("gradwatch")
+
+
+class ModelWatch:
+    """Stops recording, once and loudly, when the model is no longer the one gradwatch attached to.
+
+    Args:
+        recorder: the recorder to switch off for good.
+    """
+
+    def __init__(self, recorder: Any) -> None:
+        self.recorder = recorder
+        self.stopped = False  # the model moved or its parameters were replaced: resume() does not undo it
+        self._warned_hooks = False
+
+    def stop_recording(self, reason: str) -> None:
+        """Stop recording for good, and say why once, as an ERROR."""
+        if not self.stopped:
+            self.stopped = True
+            log.error("gradwatch: %s", reason)
+        self.recorder.active = False
+
+    def check_parameters(self, layers: list[LayerSpec]) -> None:
+        """Once per flush: the layers still own the parameters gradwatch reads. A model whose
+        parameters were replaced after attaching (``load_state_dict(..., assign=True)``, a wrapper
+        that swaps them) would otherwise look like a model without gradients."""
+        if self.stopped:
+            return
+        for layer in layers:
+            current = {id(p) for p in layer.module.parameters(recurse=False)}
+            if any(id(p) not in current for p in layer.params):
+                self.stop_recording(
+                    f"the parameters of layer {layer.name} were replaced after gradwatch attached "
+                    "(load_state_dict(..., assign=True), a wrapper that swaps parameters, ...), so gradwatch no "
+                    "longer sees the model's gradients: create the monitor after the model is materialised and "
+                    "wrapped (or close() this monitor and create a new one). gradwatch stops recording"
+                )
+                return
+
+    def check_hooks_ran(self, window: Any) -> None:
+        """Warn once when the layers had gradients but gradwatch's forward hooks never ran: code
+        compiled before the monitor attached that gradwatch could not find (a compiled function
+        around the model), which runs without its hooks."""
+        if self._warned_hooks or not self.recorder.active:
+            return
+        ran = any(order for order, _ in window.step_orders)
+        if window.has_grad.any() and not ran:
+            self._warned_hooks = True
+            log.warning(
+                "gradwatch: the model's layers had gradients but gradwatch's forward hooks did not run in the "
+                "steps %d-%d, so out_grad_norm, dead units and the forward non-finite check are missing. Code "
+                "compiled before the monitor attached runs without its hooks: create the monitor before "
+                "compiling (or before the first compiled call), or call torch.compiler.reset() after creating it",
+                window.steps[0], window.steps[-1],
+            )  # fmt: skip

@@ -1,0 +1,70 @@
+"""Judging every step as soon as its values reach the host: ``nonfinite`` and the model's ``exploding``.
+
+The step's values come from a lagged read-back (``flush.readback``) that never waits for the
+device between flushes; at a flush, the last steps of the window are read with the window.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from ..alerts import Alert
+from ..failures import FailureLog
+from ..flush.readback import StepReadback, forward_order, summarize
+from .checks import HealthChecks
+from .tracker import AlertTracker
+
+
+class StepJudge:
+    """The per-step checks of one monitor.
+
+    Args:
+        readback: the lagged copy of each step's row to the host.
+        layout: the rank's buffer layout (what a row holds).
+        checks: the health checks whose per-step rules judge each step.
+        tracker: where findings become alerts (onsets only).
+        failures: where a failure of these checks is reported (they never raise into training).
+        scaler_enabled: whether a GradScaler is active now (a skipped step is its calibration).
+    """
+
+    def __init__(self, readback: StepReadback, layout: Any, checks: HealthChecks, tracker: AlertTracker,
+                 failures: FailureLog, scaler_enabled: Callable[[], bool]) -> None:  # fmt: skip
+        self._readback = readback
+        self._layout = layout
+        self._checks = checks
+        self._tracker = tracker
+        self._failures = failures
+        self._scaler_enabled = scaler_enabled
+        self._previous_forward: np.ndarray | None = None  # the last judged step's running forward sums
+        self._window_order: list[int] = []  # the window's latest forward order
+
+    def judge(self, slot: int | None, steps: list[int], wait: bool = False) -> list[Alert]:
+        """Judge the steps whose values are on the host (``slot``: the step just recorded, whose copy
+        starts now; ``steps``: the window's step numbers by slot). Returns the new alerts."""
+        try:
+            if slot is not None:
+                self._readback.capture(slot)
+            findings = []
+            scaler = self._scaler_enabled()
+            for values in self._readback.ready(wait=wait):
+                if values.order is not None:
+                    self._window_order = forward_order(values.order)
+                summary = summarize(values, self._layout, self._previous_forward)
+                self._previous_forward = values.forward
+                if values.failed or values.slot >= len(steps):
+                    continue
+                findings += self._checks.judge_step(steps[values.slot], summary, self._window_order, scaler)
+            return self._tracker.raise_onsets(findings) if findings else []
+        except Exception as exc:  # never break a run
+            self._failures.failed("the per-step checks", exc)
+            return []
+
+    def finish_window(self, steps: list[int]) -> list[Alert]:
+        """At a flush: judge the window's last steps (the flush waits for the device anyway)."""
+        try:
+            return self.judge(None, steps, wait=True)
+        finally:
+            self._readback.clear()
+            self._previous_forward = None

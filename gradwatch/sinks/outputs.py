@@ -1,0 +1,104 @@
+"""Where a flushed window goes: every sink behind one small protocol.
+
+A sink takes each flushed window with the alerts of its steps, and is closed once. The
+TensorBoard sink (a writer gradwatch owns, opened again at each flush until it works, or the
+user's), metrics callbacks (any tracker: Lightning loggers, W&B, MLflow, ...) and histograms are
+the sinks of a monitor; a failing sink costs that sink's output with one logged warning
+(``FailureLog``), never the run. Only the writing rank (rank 0) has sinks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+from ..alerts import Alert
+from ..failures import FailureLog
+from ..flush.window import Window
+from .metrics import MetricsCallback, describe, window_metrics
+from .tensorboard import TensorBoardSink
+
+
+class Sink(Protocol):
+    """What every sink does: take a flushed window, and close."""
+
+    def write(self, window: Window, alerts: list[Alert], total_alerts: int, final: bool = False) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class CallbackSink:
+    """Every flushed step's scalars to ``callback(metrics, step)``, in step order."""
+
+    def __init__(self, callback: MetricsCallback) -> None:
+        self.callback = callback
+        self.name = f"sending metrics to {describe(callback)}"
+
+    def write(self, window: Window, alerts: list[Alert], total_alerts: int, final: bool = False) -> None:
+        for step, values in window_metrics(window, total_alerts):
+            self.callback(values, step)
+
+    def close(self) -> None:
+        pass
+
+
+class Outputs:
+    """The monitor's sinks (the writing rank's), each failing on its own.
+
+    Args:
+        failures: where a sink's failure is reported (once, then rare reminders).
+        logdir: a folder for a TensorBoard writer gradwatch owns (None: none).
+        writer: the user's ``SummaryWriter`` (used, never closed), or None.
+    """
+
+    def __init__(self, failures: FailureLog, logdir: str | None, writer: Any) -> None:
+        self._failures = failures
+        self._logdir = logdir
+        self.tensorboard: TensorBoardSink | None = TensorBoardSink(writer, owns_writer=False) if writer is not None else None
+        self.callbacks: list[CallbackSink] = []
+        self._open_own_writer()
+
+    def add_callback(self, callback: MetricsCallback) -> None:
+        self.callbacks.append(CallbackSink(callback))
+
+    def _guarded(self, stage: str, action: Callable[[], Any]) -> Any:
+        try:
+            result = action()
+        except Exception as exc:
+            self._failures.failed(stage, exc)
+            return None
+        self._failures.succeeded(stage)
+        return result
+
+    def _open_own_writer(self) -> None:
+        """Open the writer gradwatch owns (at attach, then at each flush until it works: a full disk)."""
+        if self.tensorboard is not None or self._logdir is None:
+            return
+
+        def open_writer() -> TensorBoardSink:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # A deep queue so that a flush's events never wait for the writer thread;
+            # flush_secs bounds how stale the files on disk can be.
+            writer = SummaryWriter(log_dir=self._logdir, max_queue=1000, flush_secs=30)
+            return TensorBoardSink(writer, owns_writer=True)
+
+        self.tensorboard = self._guarded("opening the TensorBoard writer", open_writer)
+
+    def write(self, window: Window, alerts: list[Alert], total_alerts: int, final: bool,
+              histograms: Callable[[], list[tuple[str, Any]]] | None = None) -> None:  # fmt: skip
+        """One flushed window to every sink; ``histograms``: the gradients to histogram now, if asked."""
+        self._open_own_writer()
+        board = self.tensorboard
+        if board is not None:
+            self._guarded("writing to TensorBoard", lambda: board.write(window, alerts, total_alerts, final=final))
+            if histograms is not None and not final and window.steps:
+                self._guarded("writing histograms", lambda: board.write_histograms(histograms(), window.steps[-1]))
+        for sink in self.callbacks:
+            self._guarded(sink.name, lambda: sink.write(window, alerts, total_alerts, final))
+
+    def close(self) -> None:
+        board, self.tensorboard = self.tensorboard, None
+        if board is not None:
+            self._guarded("closing the TensorBoard writer", board.close)
+        for sink in self.callbacks:
+            sink.close()
