@@ -328,13 +328,12 @@ def test_smooth_growth_early_in_training_is_not_exploding():
     assert _kinds(alerts, "exploding") == [], [a.message for a in alerts]
 
 
-def test_the_per_step_model_rule_flags_the_same_steps_as_the_window_rule():
-    # The model's exploding check runs at every step as scalars (HealthChecks._model_exploding,
-    # ~1 us; the array rule costs ~70 us a call); the layers' and the flush-time rule is
-    # _explosions. Both are fed the same series, one step at a time, and must agree on every
-    # step, threshold and reason: a high start that settles with a jump in its warm-up, noise,
-    # a 20x spike, a dip and a rise back (the settled median's call), smooth 1.15x growth, NaN
-    # steps, a 28x step after the growth, a value above the absolute ceiling.
+def test_the_exploding_rule_flags_the_pathologies_alike_step_by_step_and_over_a_window():
+    # One implementation (detect/exploding.py) serves the per-step model check and the flush's
+    # window judgement: fed the same series one step at a time, or as one window, it flags the
+    # same steps with the same thresholds and reasons: a high start that settles with a jump in its
+    # warm-up, noise, a 20x spike, a dip and a rise back (the settled median's call), smooth 1.15x
+    # growth, NaN steps, a 28x step after the growth, a value above the absolute ceiling.
     import numpy as np
 
     from gradwatch.detect.checks import HealthChecks
@@ -356,14 +355,17 @@ def test_the_per_step_model_rule_flags_the_same_steps_as_the_window_rule():
     scalar_findings, array_findings = [], []
     for step, value in enumerate(series):
         scalar_findings += per_step.judge_step(step, StepSummary(True, value, none, none, 0.0), [], False)
-        table = np.full((1, len(layers) + 1), np.nan)
-        table[0, -1] = value
-        array_findings += window_rule._explosions(table, [step], step, [len(layers)])
+    table = np.full((len(series), len(layers) + 1), np.nan)
+    table[:, -1] = series
+    array_findings, _ = window_rule.exploding.judge_window(table, list(range(len(series))), [len(layers)], layers + [""])
+    # the window judgement reports a column's first exploded step: compare it with the per-step onsets
+    assert [f.step for f in scalar_findings] == [15, 70, 114, 117], [(f.step, f.detail) for f in scalar_findings]
 
     def described(findings):
         return [(f.kind, f.step, f.layer, f.value, f.detail) for f in findings]
 
-    assert [f.step for f in array_findings] == [15, 70, 114, 117], described(array_findings)  # the pathologies
-    assert described(scalar_findings) == described(array_findings)
-    for mine, theirs in zip(scalar_findings, array_findings):
-        assert mine.threshold == pytest.approx(theirs.threshold, rel=1e-12)
+    assert described(array_findings) == described(scalar_findings[:1])
+    assert array_findings[0].threshold == scalar_findings[0].threshold
+    # the rings after the window equal those after the steps: the same state, whichever path judged
+    for name in ("level", "recent", "last_calm"):
+        np.testing.assert_array_equal(getattr(per_step.exploding, name)[..., -1], getattr(window_rule.exploding, name)[..., -1])

@@ -1,0 +1,91 @@
+"""The dead-units rule: units whose output gradient was zero for every sample, judged on enough evidence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..alerts import Finding
+from ..config import HealthConfig
+from ..flush.window import Window
+
+MIN_STEPS = 2  # evidence from at least this many distinct steps
+CLEAR = 0.8  # clearly healthy: dead_fraction at most 0.8 x its threshold
+
+
+class DeadUnitsRule:
+    """Dead-unit evidence carried across windows until a layer has seen ``dead_min_samples`` rows
+    from at least ``MIN_STEPS`` distinct steps.
+
+    A unit silent on a few sampled steps may fire on a few percent of the rows in between: a layer
+    of such units looks half dead on the default's two sampled steps of a window and is 10-20% dead
+    over all of its steps. So a layer found dead on sampled steps only is judged again on every
+    step of the next window(s) (``wants_every_step``), on fresh evidence, and only that judgement
+    raises the alert.
+
+    Args:
+        config: the thresholds (``dead_fraction``, ``dead_min_units``, ``dead_min_samples``).
+        layers: the layer names.
+    """
+
+    def __init__(self, config: HealthConfig, layers: list[str]) -> None:
+        self.config, self.layers = config, layers
+        n = len(layers)
+        self.alive: list[np.ndarray | None] = [None] * n
+        self.rows = np.zeros(n, dtype=np.int64)
+        self.steps = np.zeros(n, dtype=np.int64)
+        #: layers whose sampled steps said dead: judged again on every step of the next window(s)
+        self.confirming = np.zeros(n, dtype=bool)
+
+    @property
+    def wants_every_step(self) -> bool:
+        """Whether the next window should record every statistic at every step (dead units to confirm)."""
+        return bool(self.confirming.any())
+
+    def judge(self, w: Window, clear: set[tuple[str, str]]) -> list[Finding]:
+        """The window's dead-unit findings; ``clear`` gets the clearly healthy layers."""
+        cfg = self.config
+        findings: list[Finding] = []
+        if w.unit_alive is None or w.rows_seen is None:
+            return findings
+        every_step = w.sampled is None or bool(np.all(w.sampled))
+        for i, alive in enumerate(w.unit_alive):
+            if alive is None or w.rows_seen[i] == 0 or w.unit_counts[i] < cfg.dead_min_units:
+                continue
+            self.alive[i] = alive.copy() if self.alive[i] is None else (self.alive[i] | alive)
+            self.rows[i] += int(w.rows_seen[i])
+            self.steps[i] += int(w.steps_judged[i]) if w.steps_judged is not None else 1
+            if self.rows[i] < cfg.dead_min_samples or self.steps[i] < MIN_STEPS:
+                # Too little evidence yet: one sample silences about half of a healthy ReLU layer,
+                # and one step can be a transient (a gate or ReZero factor still at zero).
+                continue
+            fraction = 1.0 - float(np.mean(self.alive[i]))
+            rows, steps = int(self.rows[i]), int(self.steps[i])
+            self.alive[i], self.rows[i], self.steps[i] = None, 0, 0
+            confirmed = every_step or self.confirming[i]
+            self.confirming[i] = fraction >= cfg.dead_fraction and not confirmed
+            if self.confirming[i]:
+                continue
+            name, units = self.layers[i], int(w.unit_counts[i])
+            if fraction >= cfg.dead_fraction:
+                findings.append(Finding(
+                    "dead_units", name, w.steps[-1], fraction, cfg.dead_fraction,
+                    f"{fraction:.0%} of its units had zero output gradient for every one of the "
+                    f"{rows} samples of {steps} steps seen up to step {w.steps[-1]}",
+                ))  # fmt: skip
+            elif fraction <= min(CLEAR * cfg.dead_fraction, cfg.dead_fraction - 1.5 / units):
+                clear.add(("dead_units", name))  # the band is at least one and a half units wide
+        return findings
+
+    def pending_all_dead(self, i: int) -> bool:
+        """Layer ``i``'s evidence, too little to judge yet, says every unit is dead so far."""
+        pending = self.alive[i]
+        return pending is not None and not pending.any()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"confirming": [name for name, c in zip(self.layers, self.confirming) if c]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        confirming = set(state.get("confirming", []))
+        self.confirming = np.array([n in confirming for n in self.layers], dtype=bool)

@@ -1,0 +1,142 @@
+"""Root causes, not their symptoms: one condition named where it starts (dead layers, cut paths)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+
+from ..alerts import Finding
+from ..flush.window import Window
+from .dead_units import DeadUnitsRule
+
+
+def root_causes(result: Any, vanishing: list[Finding], dead: list[Finding], order: list[str], w: Window,
+                dead_rule: DeadUnitsRule) -> None:  # fmt: skip
+    """Report root causes, not their symptoms, then add the kept findings.
+
+    - A layer with dead units has a zero gradient because of them: dead_units, not vanishing.
+    - Layers before a completely dead layer get no gradient through it: their vanishing is
+      explained by it (named in its alert), not reported separately.
+    - The layer after a completely dead one gets an all-zero input: with no bias (a conv
+      after a dead BatchNorm) its parameter gradient is exactly zero although gradient
+      reaches its output. That is the dead layer's doing, named in its alert, not vanishing.
+    - A zero-gradient layer in a vanishing run (its next layer vanishing too, gradient
+      starving from the top) is a deep stack underflowing, not dead units (a dead ReLU
+      layer sits below a healthy one).
+    - A layer whose gradient is zero while its own or the next layer's dead-unit evidence,
+      still too little to judge, says every unit is dead so far waits for that judgement:
+      the dead layer is named first, and this one with it.
+    """
+    # Neighbours in the order the layers ran (module order is not data flow: a ModuleList of
+    # branches lists every branch's first layer before their second ones).
+    position = {name: i for i, name in enumerate(order)}
+    vanished = {f.layer: f for f in vanishing}
+    index = {name: i for i, name in enumerate(dead_rule.layers)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        fed = np.nanmedian(np.where(w.out_seen, w.out_grad_norm, np.nan), axis=0) > 0
+
+    def starved(name: str | None) -> bool:
+        """Vanished to exactly zero although gradient reaches its output: its input is zero."""
+        return name in vanished and vanished[name].value == 0 and bool(fed[index[name]])
+
+    dead = [f for f in dead if not (f.layer in vanished and _successor(order, f.layer) in vanished
+                                    and not starved(_successor(order, f.layer)))]  # fmt: skip
+    explained: set[str] = set()
+    for f in vanishing:  # wait for its own or a dead neighbour's judgement (see above)
+        for name in (f.layer, _successor(order, f.layer)):
+            confirming = name is not None and dead_rule.confirming[index[name]]
+            if f.value == 0 and (confirming or (name is not None and dead_rule.pending_all_dead(index[name]))):
+                explained.add(f.layer)
+        before = _predecessor(order, f.layer)  # a layer being confirmed dead that feeds it zeros
+        if f.value == 0 and before is not None and dead_rule.confirming[index[before]] and starved(f.layer):
+            explained.add(f.layer)
+    by_position = {position[f.layer]: f for f in dead}
+    # A completely dead layer passes no gradient back: a completely dead layer right before it
+    # has an all-zero output gradient because of it, whatever its own units do. The last of
+    # such a run is the root (from the last layer back, so a run of any length has one root).
+    roots: dict[int, Finding] = {}
+    behind: dict[str, list[str]] = {}
+    for i in sorted(by_position, reverse=True):
+        f = by_position[i]
+        if f.value < 0.999:
+            continue
+        root = roots.get(i + 1)
+        if root is None:
+            roots[i] = f
+            continue
+        roots[i] = root
+        behind.setdefault(root.layer, []).append(f.layer)
+        explained.add(f.layer)
+        by_position.pop(i)
+    for layer, names in behind.items():
+        root = next(f for f in by_position.values() if f.layer == layer)
+        root.detail += (
+            f"; it passes no gradient back, so the all-zero output gradient of {_describe(list(reversed(names)))} "
+            f"before it follows from it"
+        )
+    for i in sorted(by_position):
+        root, successor = by_position.get(i), by_position.get(i + 1)
+        if root is not None and root.value >= 0.999 and successor is not None:
+            # The layer right after a completely dead one sees its constant output: dead units
+            # there are a consequence, named in its alert, not a separate condition. (Only
+            # the next layer: module order is not data flow across parallel branches.)
+            root.detail += f"; the dead units of layer {successor.layer} after it follow from it"
+            by_position.pop(i + 1)
+    dead = [by_position[i] for i in sorted(by_position)]
+    for f in dead:
+        explained.add(f.layer)
+        if f.value < 0.999:
+            continue
+        successor = _successor(order, f.layer)
+        if starved(successor):
+            explained.add(successor)  # type: ignore[arg-type]
+            f.detail += f"; its all-zero output leaves layer {successor} without a parameter gradient"
+        upstream = []
+        for i in range(position[f.layer] - 1, -1, -1):  # the contiguous vanishing run before it
+            if order[i] not in vanished:
+                break
+            upstream.append(order[i])
+        if upstream:
+            explained.update(upstream)
+            f.detail += (
+                f"; it passes no gradient back, which explains the vanishing gradient of "
+                f"{_describe(list(reversed(upstream)))} before it"
+            )
+    result.findings += [f for f in vanishing if f.layer not in explained] + dead
+    for name in explained & set(vanished):
+        result.clear.discard(("vanishing", name))
+
+
+def forward_order(w: Window) -> list[str]:
+    """The window's layers in the order they ran (its last step's forward order), then the rest
+    in module order."""
+    ran: list[int] = []
+    for fwd, _ in reversed(w.step_orders):
+        if fwd:
+            ran = list(dict.fromkeys(fwd))
+            break
+    seen = set(ran)
+    return [w.layers[i] for i in ran] + [name for i, name in enumerate(w.layers) if i not in seen]
+
+
+def _successor(layers: list[str], name: str) -> str | None:
+    i = layers.index(name)
+    return layers[i + 1] if i + 1 < len(layers) else None
+
+
+def _predecessor(layers: list[str], name: str) -> str | None:
+    i = layers.index(name)
+    return layers[i - 1] if i > 0 else None
+
+
+def _describe(names: list[str]) -> str:
+    """'layer a' / 'layers a and b' / 'layers a, b, ... (n)' for a message."""
+    if len(names) == 1:
+        return f"layer {names[0]}"
+    if len(names) == 2:
+        return f"layers {names[0]} and {names[1]}"
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    return f"{len(names)} layers ({shown})"

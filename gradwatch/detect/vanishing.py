@@ -1,0 +1,103 @@
+"""The vanishing rule: a layer's gradient RMS on its last steps (a rolling median), against an
+absolute floor, against the strongest layer, and against its own earlier level."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..alerts import Finding
+from ..config import HealthConfig
+from ..flush.window import Window
+from .serial import by_name, columns_from, nullable
+
+HISTORY_STEPS = 20  # the median is over a layer's last HISTORY_STEPS steps
+MIN_STEPS = 5  # ... and needs at least MIN_STEPS of them
+CLEAR = 10.0  # clearly healthy: one decade above the thresholds
+
+
+class VanishingRule:
+    """Rolling histories of every layer's gradient RMS and ratio to the strongest layer.
+
+    With an optimizer that normalises its step (Adam and friends), a small gradient still moves
+    the weights: of the comparisons with other layers only the absolute floor applies. Otherwise
+    a layer five decades below the strongest layer no longer learns either. With any optimizer, a
+    layer whose gradient collapsed five decades below its own highest level has lost its training
+    signal (a saturated gate, a cut path): even Adam's step then shrinks, once the gradient falls
+    under its eps.
+
+    Args:
+        config: the thresholds (``vanishing_abs_rms``, ``vanishing_rel_rms``).
+        layers: the layer names.
+        normalised_steps: the optimizer normalises its step.
+    """
+
+    def __init__(self, config: HealthConfig, layers: list[str], normalised_steps: bool) -> None:
+        self.config, self.layers, self.normalised_steps = config, layers, normalised_steps
+        n = len(layers)
+        self.rms_history = np.full((HISTORY_STEPS, n), np.nan)
+        self.ratio_history = np.full((HISTORY_STEPS, n), np.nan)
+        self.history_slot = 0
+        self.rms_peak = np.full(n, np.nan)  # per layer: the highest median RMS it has had
+
+    def _remember(self, w: Window, valid: np.ndarray) -> None:
+        rms = np.where(valid, w.grad_rms, np.nan)
+        with np.errstate(all="ignore"):
+            strongest = np.nanmax(rms, axis=1, initial=-np.inf, where=~np.isnan(rms))
+            strongest = np.where(np.isfinite(strongest) & (strongest > 0), strongest, np.nan)
+            ratio = rms / strongest[:, None]
+        for t in range(len(w.steps)):
+            if valid[t].any():
+                slot = self.history_slot % HISTORY_STEPS
+                self.rms_history[slot], self.ratio_history[slot] = rms[t], ratio[t]
+                self.history_slot += 1
+
+    def judge(self, w: Window, valid: np.ndarray, clear: set[tuple[str, str]]) -> list[Finding]:
+        """The window's vanishing findings; ``clear`` gets the clearly healthy layers."""
+        cfg = self.config
+        self._remember(w, valid)
+        with np.errstate(all="ignore"):
+            known = np.sum(~np.isnan(self.rms_history), axis=0) >= MIN_STEPS
+            med_rms = np.where(known, np.nanmedian(self.rms_history, axis=0), np.nan)
+            med_ratio = np.where(known, np.nanmedian(self.ratio_history, axis=0), np.nan)
+            below_abs = med_rms < cfg.vanishing_abs_rms
+            clear_abs = med_rms >= CLEAR * cfg.vanishing_abs_rms
+            peak = self.rms_peak
+            collapsed = np.isfinite(peak) & (peak > 0) & (med_rms < cfg.vanishing_rel_rms * peak)
+            clear_own = ~(med_rms < CLEAR * cfg.vanishing_rel_rms * peak)
+            self.rms_peak = np.where(np.isfinite(med_rms), np.fmax(peak, med_rms), peak)
+            if self.normalised_steps:
+                below_rel, clear_rel = np.zeros_like(below_abs), np.ones_like(clear_abs)
+            else:
+                below_rel = np.isfinite(med_ratio) & (med_ratio < cfg.vanishing_rel_rms)
+                clear_rel = med_ratio >= CLEAR * cfg.vanishing_rel_rms
+        seen = valid.any(axis=0)  # only layers with a gradient in this window (frozen ones never vanish)
+        findings = []
+        for i in np.flatnonzero((below_abs | below_rel | collapsed) & seen):
+            if med_rms[i] <= 0 or not np.isfinite(med_ratio[i]):
+                detail = "its gradient is zero"
+            elif below_abs[i] or below_rel[i]:
+                detail = f"median gradient RMS {med_rms[i]:.3g} over its last steps is {med_ratio[i]:.3g} of the strongest layer's"
+            else:
+                detail = f"median gradient RMS {med_rms[i]:.3g} over its last steps is {med_rms[i] / peak[i]:.3g} of its own earlier level {peak[i]:.3g}"
+            if self.normalised_steps and below_abs[i]:
+                detail += "; below what the optimizer's normalised step can use"
+            relative = not below_abs[i] and not (self.normalised_steps and not collapsed[i])
+            threshold = cfg.vanishing_rel_rms if relative else cfg.vanishing_abs_rms
+            findings.append(Finding("vanishing", self.layers[i], w.steps[-1], float(med_rms[i]), threshold, detail))
+        clear.update(("vanishing", self.layers[i]) for i in np.flatnonzero(clear_abs & clear_rel & clear_own & seen))
+        return findings
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "rms_history": [nullable(c) for c in self.rms_history.T],
+            "ratio_history": [nullable(c) for c in self.ratio_history.T],
+            "history_slot": int(self.history_slot), "rms_peak": nullable(self.rms_peak),
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any], saved: list[str]) -> None:
+        self.rms_history = columns_from(state.get("rms_history", []), saved, self.layers, HISTORY_STEPS)
+        self.ratio_history = columns_from(state.get("ratio_history", []), saved, self.layers, HISTORY_STEPS)
+        self.history_slot = int(state.get("history_slot", 0))
+        self.rms_peak = by_name(state.get("rms_peak", []), saved, self.layers)
