@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..registry import accumulator_count
 from .buffer import Reduce, StatBuffer
 from .layers import LayerSpec
 from .param_stats import ParamStats
@@ -25,6 +26,8 @@ PARAM_PRESENT = "param_present"  # host [F, P] ranks on which the tensor had a g
 OUT_GRAD = "out_grad"
 FWD_SUM = "fwd_sum"  # [F, L] running sum of the outputs over the window: non-finite from the step an output was
 FWD_ORDER = "fwd_order"  # [F, L] the forward clock at the layer's first call (0: not recorded)
+#: [F, L, K] the declared output statistics' accumulators (registry.py), on sampled steps
+OUT_STATS = "out_stats"
 STEP_FAILED = "step_failed"  # host [F] ranks on which recording this step failed
 # Window states.
 UNIT_ACC = "unit_acc"  # [U] per unit: zero exactly for dead units
@@ -116,6 +119,8 @@ def declare_states(buffer: StatBuffer, flush_every: int, n_params: int, n_layers
     buffer.add_state(OUT_GRAD, (F, 3, n), "sum")
     buffer.add_state(FWD_SUM, (F, n), "sum")
     buffer.add_state(FWD_ORDER, (F, n), "max")
+    if accumulator_count():
+        buffer.add_state(OUT_STATS, (F, n, accumulator_count()), "sum")
     buffer.add_state(STEP_FAILED, (F,), "sum", host=host_counts)
     buffer.add_state(UNIT_ACC, (n_units,), "sum")
     if track_updates:

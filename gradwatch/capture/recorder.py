@@ -19,8 +19,9 @@ from .taps import Cells, DeviceCells
 from ..flush.decode import build_window
 from .devices import host_to_device, index_tensor
 from .layers import LayerSpec
+from ..registry import accumulator_count
 from .layout import (
-    FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, SAMPLE_UPDATE_SQ,
+    OUT_STATS, FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, SAMPLE_UPDATE_SQ,
     SAMPLE_WEIGHT_SQ, STEP_FAILED, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout,
 )  # fmt: skip
 from .param_stats import ParamStats, StepRows
@@ -241,6 +242,9 @@ class _CellMoves:
         self.units = cells.backward[3 * k :]
         self.fwd_rows = [buffer.row(FWD_SUM, t) for t in range(flush_every)]
         self.order_rows = [buffer.row(FWD_ORDER, t) for t in range(flush_every)]
+        stats = accumulator_count()
+        self.stats = cells.outputs.view(k, stats) if stats else None
+        self.stats_rows = [buffer.row(OUT_STATS, t) for t in range(flush_every)] if stats else []
         self.out_rows = [buffer.row(OUT_GRAD, t) for t in range(flush_every)]
         self.to_buffer = buffer.device
         if not self.whole:  # a model spread over several devices: this device's layers and units
@@ -264,6 +268,8 @@ class _CellMoves:
                 self.order_rows[slot].copy_(self.first_calls)
                 self.out_rows[slot].copy_(self.out_grad)
                 units_window.add_(self.units)
+                if self.stats is not None:
+                    self.stats_rows[slot].copy_(self.stats)
             return
         to = self.to_buffer
         self.fwd_rows[slot].index_copy_(0, self.layer_index, self.sums.to(to, non_blocking=True))
@@ -271,3 +277,5 @@ class _CellMoves:
             self.order_rows[slot].index_copy_(0, self.layer_index, self.first_calls.to(to, non_blocking=True))
             self.out_rows[slot].index_copy_(1, self.layer_index, self.out_grad.to(to, non_blocking=True))
             units_window.index_add_(0, self.unit_index, self.units.to(to, non_blocking=True))
+            if self.stats is not None:
+                self.stats_rows[slot].index_copy_(0, self.layer_index, self.stats.to(to, non_blocking=True))

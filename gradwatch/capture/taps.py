@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import registry
 from .buffer import stat_dtype
 from .layers import LayerSpec, grad_tensors
 from ..distributed.sharding import local_tensor
@@ -81,6 +82,8 @@ class DeviceCells:
     forward: torch.Tensor
     backward: torch.Tensor  # [sum of squares (n) | calls (n) | samples (n) | per-unit evidence (units)]
     clock: torch.Tensor  # [1], counts down at each sampled forward call
+    #: [n x K] the declared output statistics' accumulators of the step (registry.py), sampled steps
+    outputs: torch.Tensor
     weights: torch.Tensor  # [_PROJECTION_ROWS] positive projection weights in [1, 2)
 
     @property
@@ -93,12 +96,14 @@ class DeviceCells:
         ``reset_window``)."""
         self.backward.zero_()
         self.forward[self.n :].zero_()
+        self.outputs.zero_()
         self.clock.fill_(CLOCK_START)
 
     def reset_window(self) -> None:
         """Zero every cell (a new window, or calls no step() will claim)."""
         self.forward.zero_()
         self.backward.zero_()
+        self.outputs.zero_()
         self.clock.fill_(CLOCK_START)
 
 
@@ -126,6 +131,7 @@ class Cells:
                 forward=torch.zeros(2 * n, dtype=dtype, device=device),
                 backward=torch.zeros(3 * n + sum(units), dtype=dtype, device=device),
                 clock=torch.full((1,), CLOCK_START, dtype=dtype, device=device),
+                outputs=torch.zeros(n * registry.accumulator_count(), dtype=dtype, device=device),
                 weights=torch.rand(_PROJECTION_ROWS, generator=generator).add_(1.0).to(device),
             )
             self.devices.append(cells)
@@ -133,6 +139,7 @@ class Cells:
             for k, i in enumerate(members):
                 per_layer[i] = (cells, k, offset)
                 offset += units[k]
+        stats = registry.accumulator_count()
         for i, layer in enumerate(layers):
             cells, k, offset = per_layer[i]
             n = cells.n
@@ -148,6 +155,7 @@ class Cells:
                     samples=_alias(cells.backward, 2 * n + k, 2 * n + k + 1),
                     units=_alias(cells.backward, offset, offset + int(unit_count[i])),
                     weights=cells.weights,
+                    output_stats=_alias(cells.outputs, k * stats, (k + 1) * stats) if stats else None,
                 )
             )
 
@@ -157,7 +165,7 @@ class Cells:
         return sum(
             t.numel() * t.element_size()
             for cells in self.devices
-            for t in (cells.forward, cells.backward, cells.clock, cells.weights)
+            for t in (cells.forward, cells.backward, cells.clock, cells.weights, cells.outputs)
         )
 
     def set_unit_sums(self, enabled: bool) -> None:
@@ -176,7 +184,7 @@ class OutputTap:
 
     def __init__(self, layer: LayerSpec, plan: Plan, *, forward_sum: torch.Tensor, first_call: torch.Tensor,
                  clock: torch.Tensor, out_sq: torch.Tensor, calls: torch.Tensor, samples: torch.Tensor,
-                 units: torch.Tensor, weights: torch.Tensor) -> None:  # fmt: skip
+                 units: torch.Tensor, weights: torch.Tensor, output_stats: torch.Tensor | None = None) -> None:  # fmt: skip
         self.plan = plan
         self.name = layer.name  # read on the failure path only
         self.layer_units = int(layer.units)
@@ -189,6 +197,7 @@ class OutputTap:
         self.samples = samples
         self.units = units
         self.weights = weights
+        self.output_stats = output_stats  # None: no output statistic is declared
         # Taps that record the same output too (MultiheadAttention's out_proj): set by HookSet.
         self.also: tuple["OutputTap", ...] = ()
         # Per-unit evidence as sums of squares (dead_eps > 0) instead of a random projection.
@@ -241,6 +250,8 @@ class OutputTap:
                 # Forward order: the clock counts down, so a layer's first call keeps the largest value.
                 self.first_call.clamp_min_(self.clock)
                 self.clock.sub_(1.0)
+                if self.output_stats is not None:  # the declared output statistics (registry.py)
+                    self.output_stats.add_(registry.accumulate_all(local_tensor(out), self.output_stats.dtype))
         finally:
             _set_grad_enabled(True)  # the tap runs only with grad enabled
         if sampling and out.requires_grad:

@@ -36,11 +36,12 @@ from ..capture.buffer import StatBuffer
 from ..capture.devices import host_to_device, index_tensor
 from ..capture.layers import LayerSpec
 from ..capture.layout import (
-    FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, SAMPLE_UPDATE_SQ,
+    OUT_STATS, FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, SAMPLE_UPDATE_SQ,
     SAMPLE_WEIGHT_SQ, STEP_FAILED, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout, declare_states,
     starts,
 )  # fmt: skip
 from ..capture.param_stats import ParamStats
+from ..registry import accumulator_count
 from .tensor_parallel import OutputShare
 
 #: A stage's forward clock values are lifted by (stages after it) x this: more than a clock runs in a step.
@@ -244,6 +245,8 @@ class MeshLayout:
         union[PARAM_PRESENT].index_copy_(1, columns, local[PARAM_PRESENT])
         union[OUT_GRAD].index_copy_(2, self._layers, weighted(local[OUT_GRAD], self._out_weights))
         union[FWD_SUM].index_copy_(1, self._layers, weighted(local[FWD_SUM], self._count_weights))
+        if accumulator_count():  # the declared output statistics: weighed as the registry says ("count")
+            union[OUT_STATS].index_copy_(1, self._layers, weighted(local[OUT_STATS], self._count_weights[:, None]))
         order = local[FWD_ORDER]
         union[FWD_ORDER].index_copy_(1, self._layers, torch.where(order > 0, order + self._stage_lift, order))
         union[STEP_FAILED].copy_(local[STEP_FAILED])

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..capture.layout import (
-    FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, SAMPLE_UPDATE_SQ,
+    OUT_STATS, FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, SAMPLE_UPDATE_SQ,
     SAMPLE_WEIGHT_SQ, STEP_FAILED, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout,
 )  # fmt: skip
+from ..registry import accumulator_count, decode_all
 from .readback import forward_order
 from .window import Window
 
@@ -96,6 +97,12 @@ def build_window(host: dict[str, np.ndarray], steps: list[int], layout: Layout, 
             estimated = np.where(weights > 0, np.sqrt(per_layer_s(upd_s) / weights), np.nan)
             estimated_rms = np.sqrt(weights / per_layer_s(np.broadcast_to(layout.sample_numel, wsq_s.shape).astype(float)))
 
+    output_stats: dict[str, np.ndarray] = {}
+    if accumulator_count():  # the declared output statistics, on sampled steps that ran the layer
+        recorded = (sampled[:, None] & ok[:, None]) & np.ones((1, n_layers), dtype=bool)
+        for name, values in decode_all(host[OUT_STATS][:n]).items():
+            output_stats[name] = np.where(recorded, values, np.nan)
+
     skipped = None
     if scaler_in_use:
         # GradScaler skips exactly the steps whose gradients hold an Inf/NaN.
@@ -127,6 +134,7 @@ def build_window(host: dict[str, np.ndarray], steps: list[int], layout: Layout, 
         judged_weight_rms=weight_rms,
         estimated_update_ratio=estimated,
         estimated_weight_rms=estimated_rms,
+        output_stats=output_stats,
     )
 
 

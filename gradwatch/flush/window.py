@@ -58,6 +58,8 @@ class Window:
     estimated_update_ratio: np.ndarray | None = None
     #: [step, layer] RMS of those samples before the step
     estimated_weight_rms: np.ndarray | None = None
+    #: name -> [step, layer] each declared output statistic (registry.py); NaN where not recorded
+    output_stats: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def grad_rms(self) -> np.ndarray:

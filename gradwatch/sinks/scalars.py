@@ -40,6 +40,7 @@ def window_scalars(w: Window, total_alerts: int, dashboard: bool = False) -> lis
         "grad_max": (w.grad_max, w.has_grad & sampled),
         "nonfinite": (w.nonfinite, w.has_grad & counted),
         "out_grad_norm": (w.out_grad_norm, w.out_seen),
+        **{name: (table, np.isfinite(table)) for name, table in w.output_stats.items()},  # registry.py
     }
     if dashboard:
         with np.errstate(divide="ignore", invalid="ignore"):
