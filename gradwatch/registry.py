@@ -45,8 +45,40 @@ class OutputStatistic:
     description: str = ""
 
 
+def _sum_of_squares(out: torch.Tensor) -> list[torch.Tensor]:
+    """Sum of squares (float32 at least, so that half-precision squares do not overflow) and count."""
+    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    return [torch.linalg.vector_norm(out, dtype=acc).square(), _count(out, acc)]
+
+
+def _zeros(out: torch.Tensor) -> list[torch.Tensor]:
+    """Exactly-zero elements and count."""
+    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    return [(out == 0).sum(dtype=acc), _count(out, acc)]
+
+
+def _count(out: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    # A tensor op rather than a Python int: traced the same for any (dynamic) shape.
+    return torch.ones_like(out, dtype=acc).sum()
+
+
+def _ratio(accumulators: np.ndarray, root: bool = False) -> np.ndarray:
+    total, count = accumulators[..., 0], accumulators[..., 1]
+    value = np.where(count > 0, total / np.where(count > 0, count, 1.0), np.nan)
+    return np.sqrt(value) if root else value
+
+
 #: Every declared output statistic, in tag order.
-OUTPUT_STATISTICS: tuple[OutputStatistic, ...] = ()
+OUTPUT_STATISTICS: tuple[OutputStatistic, ...] = (
+    OutputStatistic(
+        "act_rms", ("sum of squares", "elements"), _sum_of_squares, lambda a: _ratio(a, root=True),
+        description="root-mean-square of the layer's output over every element of the step's calls",
+    ),
+    OutputStatistic(
+        "act_zero_fraction", ("exact zeros", "elements"), _zeros, _ratio,
+        description="fraction of the layer's output elements that are exactly zero over the step's calls",
+    ),
+)
 
 
 def accumulator_count() -> int:

@@ -125,6 +125,8 @@ def _reference(twin: nn.Module, retained: RetainedOutputs) -> dict[str, dict[str
             "nonfinite": float((~torch.isfinite(grads)).sum()),
             "out_grad_norm": retained.norm(name),
             "alive": (g.abs().amax(dim=other) > 0).numpy(),
+            "act_rms": float(output.detach().double().square().mean().sqrt()),
+            "act_zero_fraction": float((output.detach() == 0).double().mean()),
         }
     return out
 
@@ -141,6 +143,8 @@ def test_every_statistic_inside_compiled_code_equals_the_eager_twin(mode):
             assert w.grad_max[t, i] == pytest.approx(ref["grad_max"], rel=1e-4), (t, name)
             assert w.nonfinite[t, i] == ref["nonfinite"] == 0
             assert w.out_grad_norm[t, i] == pytest.approx(ref["out_grad_norm"], rel=1e-4), (t, name)
+            for stat in ("act_rms", "act_zero_fraction"):  # the declared output statistics, recorded inside
+                assert w.output_stats[stat][t, i] == pytest.approx(ref[stat], rel=1e-5, abs=1e-12), (t, name, stat)
             alive[name] |= ref["alive"]
         assert not w.fwd_nonfinite[t].any()
         assert [w.layers[i] for i in w.step_orders[t][0]] == LAYERS  # forward order, recorded inside

@@ -469,3 +469,58 @@ def test_a_model_level_explosion_is_returned_at_its_step_and_stop_on_stops_befor
         opt.zero_grad()
     assert stopped_at in (30, 31)  # judged at its own step() on the CPU path, at the next one at the latest
     monitor.close()
+
+
+def test_activation_statistics_equal_a_direct_computation_over_every_call_of_the_step(tmp_path):
+    # act_rms and act_zero_fraction of each layer's output (registry.py), against the outputs this
+    # test keeps itself: a layer called twice per step (its calls pooled), a layer with units that
+    # are exactly zero (weights and bias zeroed), two micro-batches per step; written to TensorBoard
+    # under gradwatch/act_rms/<layer> and gradwatch/act_zero_fraction/<layer> at the sampled steps.
+    from .conftest import read_scalars
+
+    torch.manual_seed(0)
+    shared = nn.Linear(6, 6)
+    head = nn.Linear(6, 4)
+    with torch.no_grad():
+        head.weight[:3].zero_()
+        head.bias[:3].zero_()  # 3 of 4 output units exactly zero
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared, self.head = shared, head
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.shared(torch.tanh(self.shared(x)))))
+
+    model = Twice()
+    outputs = {"shared": [], "head": []}
+    for name in outputs:
+        model.get_submodule(name).register_forward_hook(lambda m, a, o, name=name: outputs[name].append(o.detach().clone()))
+    monitor = GradMonitor(model, flush_every=30, logdir=str(tmp_path))  # default detail: sampled steps 0, 1, 25
+    expected = []
+    for step in range(27):
+        for _ in range(2):
+            model(torch.randn(3, 6)).square().sum().backward()
+        pooled = {name: torch.cat([o.reshape(-1).double() for o in outs]) for name, outs in outputs.items()}
+        expected.append({name: (float(v.square().mean().sqrt()), float((v == 0).double().mean())) for name, v in pooled.items()})
+        for outs in outputs.values():
+            outs.clear()
+        monitor.step()
+        model.zero_grad()
+    monitor.close()
+    w = monitor.last_window
+    scalars = read_scalars(str(tmp_path))
+    for t in range(27):
+        for i, name in enumerate(w.layers):
+            rms, zeros = expected[t][name]
+            if w.sampled[t]:
+                assert w.output_stats["act_rms"][t, i] == pytest.approx(rms, rel=1e-6)
+                assert w.output_stats["act_zero_fraction"][t, i] == pytest.approx(zeros, abs=1e-12)
+                assert scalars[f"gradwatch/act_rms/{name}"][t] == pytest.approx(rms, rel=1e-5)
+                assert scalars[f"gradwatch/act_zero_fraction/{name}"][t] == pytest.approx(zeros, abs=1e-7)
+            else:
+                assert math.isnan(w.output_stats["act_rms"][t, i])
+                assert t not in scalars[f"gradwatch/act_rms/{name}"]
+    assert expected[0]["head"][1] == pytest.approx(0.75)  # the test means something: 3 of 4 units zero
+    assert [t for t in range(27) if w.sampled[t]] == [0, 1, 25]
