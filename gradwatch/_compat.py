@@ -80,9 +80,25 @@ def _dynamo_config() -> Any:
     return config
 
 
+_HOOK_GUARD = "DictGetItemGuardAccessor('_forward_hooks')"
+
+
+def _guards_on_hooks(entry: Any) -> bool:
+    """Whether a dynamo cache entry guards on module forward hooks (compiled while
+    ``skip_nnmodule_hook_guards`` was off). Read from the text of its guard tree (private: where
+    it cannot be read, the entry counts as not guarding, and is dropped as before)."""
+    manager = getattr(entry, "guard_manager", None)
+    try:
+        return manager is not None and _HOOK_GUARD in str(manager)
+    except Exception:
+        return False
+
+
 def forget_compiled_frames(model: nn.Module, wrappers: Iterable[nn.Module] = ()) -> int:
-    """Drop the frames dynamo compiled for ``model``'s code, so that the next call traces its hooks
-    as they are now. Returns how many code objects had compiled frames (0: nothing was compiled).
+    """Drop the frames dynamo compiled for ``model``'s code without guards on module hooks, so that
+    the next call traces its hooks as they are now. Returns how many code objects were dropped.
+    Frames compiled while a monitor had the hook guards on are kept: they retrace by themselves
+    when hooks change, and another model sharing the code (an EMA copy, a teacher) keeps them.
 
     The candidates: every method of the model's own module classes (``forward``, what
     ``torch.compile`` of a user model and regional ``block.compile()`` compile; a Lightning
@@ -126,7 +142,10 @@ def forget_compiled_frames(model: nn.Module, wrappers: Iterable[nn.Module] = ())
     dropped = 0
     for code in codes.values():
         try:
-            if entries(code):
+            # Only code with an entry compiled without hook guards (before a monitor turned them on):
+            # an entry that guards on hooks retraces by itself when they change, and resetting a
+            # shared code object (torch.nn's, dynamo's wrapper) would recompile every other model.
+            if any(not _guards_on_hooks(entry) for entry in entries(code)):
                 reset_code(code)
                 dropped += 1
         except Exception as exc:  # never break a run over a cache

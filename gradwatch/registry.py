@@ -2,7 +2,7 @@
 layer's output, recorded on the sampled steps (every step with ``detail="full"``).
 
 An entry says what the tap accumulates (traceable tensor ops on the output, into declared
-cells), how ranks combine the accumulators (``reduce``) and how a union of ranks weighs them
+cells; every entry also gets the number of output elements, counted once for all of them), how ranks combine the accumulators (``reduce``) and how a union of ranks weighs them
 (``union_weight``: ``"count"`` like the forward sums, each tensor-parallel piece once), how the
 host decodes them into a value, and the tag it is written under (``gradwatch/<name>/<layer>``).
 The buffer layout (``capture.layout``), the taps (``capture.taps``), the union gather
@@ -26,10 +26,12 @@ class OutputStatistic:
     Args:
         name: the statistic's name: its tag is ``gradwatch/<name>/<layer>``.
         accumulators: names of the per-layer sums it adds up over a step's calls (and ranks).
-        accumulate: ``fn(output) -> list of 0-d tensors``, one per accumulator, for one call's
-            output (this rank's piece, grad mode off). Runs inside the tap: tensor ops only, so
-            that it compiles under ``torch.compile(fullgraph=True)``.
-        decode: ``fn(accumulators [..., k]) -> values [...]`` on the host; NaN where undefined.
+        accumulate: ``fn(output, dtype) -> list of 0-d tensors of dtype`` (the cells' dtype:
+            float64, float32 on MPS), one per accumulator, for one call's output (this rank's
+            piece, grad mode off). Runs inside the tap: tensor ops only,
+            so that it compiles under ``torch.compile(fullgraph=True)``.
+        decode: ``fn(accumulators [..., k], elements [...]) -> values [...]`` on the host, with
+            the number of output elements they were taken over; NaN where undefined.
         reduce: how ranks combine the accumulators ("sum").
         union_weight: how ranks holding pieces of one layer's output weigh them: "count" (like the
             forward sums: split outputs add up, a repeated output counts once).
@@ -38,66 +40,64 @@ class OutputStatistic:
 
     name: str
     accumulators: tuple[str, ...]
-    accumulate: Callable[[torch.Tensor], list[torch.Tensor]]
-    decode: Callable[[np.ndarray], np.ndarray]
+    accumulate: Callable[[torch.Tensor, torch.dtype], list[torch.Tensor]]
+    decode: Callable[[np.ndarray, np.ndarray], np.ndarray]
     reduce: Literal["sum"] = "sum"
     union_weight: Literal["count"] = "count"
     description: str = ""
 
 
-def _sum_of_squares(out: torch.Tensor) -> list[torch.Tensor]:
-    """Sum of squares (float32 at least, so that half-precision squares do not overflow) and count."""
-    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
-    return [torch.linalg.vector_norm(out, dtype=acc).square(), _count(out, acc)]
+def _sum_of_squares(out: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+    # in the cells' dtype (float64): exact at any magnitude, no cast (sampled steps only: cheap)
+    return [torch.linalg.vector_norm(out, dtype=dtype).square()]
 
 
-def _zeros(out: torch.Tensor) -> list[torch.Tensor]:
-    """Exactly-zero elements and count."""
-    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
-    return [(out == 0).sum(dtype=acc), _count(out, acc)]
+def _nonzeros(out: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+    # one op (an int64 count; stack promotes it to the cells' dtype)
+    return [torch.count_nonzero(out)]
 
 
-def _count(out: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    # A tensor op rather than a Python int: traced the same for any (dynamic) shape.
-    return torch.ones_like(out, dtype=acc).sum()
-
-
-def _ratio(accumulators: np.ndarray, root: bool = False) -> np.ndarray:
-    total, count = accumulators[..., 0], accumulators[..., 1]
-    value = np.where(count > 0, total / np.where(count > 0, count, 1.0), np.nan)
+def _mean(accumulators: np.ndarray, elements: np.ndarray, root: bool = False) -> np.ndarray:
+    value = np.where(elements > 0, accumulators[..., 0] / np.where(elements > 0, elements, 1.0), np.nan)
     return np.sqrt(value) if root else value
+
+
+def _zero_fraction(accumulators: np.ndarray, elements: np.ndarray) -> np.ndarray:
+    return 1.0 - _mean(accumulators, elements)
 
 
 #: Every declared output statistic, in tag order.
 OUTPUT_STATISTICS: tuple[OutputStatistic, ...] = (
     OutputStatistic(
-        "act_rms", ("sum of squares", "elements"), _sum_of_squares, lambda a: _ratio(a, root=True),
+        "act_rms", ("sum of squares",), _sum_of_squares, lambda a, n: _mean(a, n, root=True),
         description="root-mean-square of the layer's output over every element of the step's calls",
     ),
     OutputStatistic(
-        "act_zero_fraction", ("exact zeros", "elements"), _zeros, _ratio,
+        "act_zero_fraction", ("non-zero elements",), _nonzeros, _zero_fraction,
         description="fraction of the layer's output elements that are exactly zero over the step's calls",
     ),
 )
 
 
 def accumulator_count() -> int:
-    """Accumulators per layer and step, over every declared output statistic."""
-    return sum(len(s.accumulators) for s in OUTPUT_STATISTICS)
+    """Accumulators per layer and step: the output elements, then every statistic's (0: none declared)."""
+    declared = sum(len(s.accumulators) for s in OUTPUT_STATISTICS)
+    return 1 + declared if declared else 0
 
 
 def accumulate_all(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Every statistic's accumulators of one output, as one 1-D tensor of ``dtype`` (traceable)."""
-    parts = [value for s in OUTPUT_STATISTICS for value in s.accumulate(out)]
-    return torch.stack(parts).to(dtype)
+    """Every statistic's accumulators of one output, as one 1-D tensor of ``dtype`` (traceable); the
+    element count is added by the tap (``out.numel()``, no op)."""
+    return torch.stack([value for s in OUTPUT_STATISTICS for value in s.accumulate(out, dtype)])
 
 
 def decode_all(accumulators: np.ndarray) -> dict[str, np.ndarray]:
     """[..., accumulator_count()] -> {name: values [...]} for every declared statistic."""
-    values, start = {}, 0
+    elements = accumulators[..., 0]
+    values, start = {}, 1
     for s in OUTPUT_STATISTICS:
         stop = start + len(s.accumulators)
         with np.errstate(divide="ignore", invalid="ignore"):
-            values[s.name] = s.decode(accumulators[..., start:stop])
+            values[s.name] = s.decode(accumulators[..., start:stop], elements)
         start = stop
     return values

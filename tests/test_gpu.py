@@ -10,6 +10,8 @@ from gradwatch import GradMonitor
 
 from .reference import own_grad_norm
 
+pytestmark = pytest.mark.gpu
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 

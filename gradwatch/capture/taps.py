@@ -155,7 +155,8 @@ class Cells:
                     samples=_alias(cells.backward, 2 * n + k, 2 * n + k + 1),
                     units=_alias(cells.backward, offset, offset + int(unit_count[i])),
                     weights=cells.weights,
-                    output_stats=_alias(cells.outputs, k * stats, (k + 1) * stats) if stats else None,
+                    output_stats=_alias(cells.outputs, k * stats + 1, (k + 1) * stats) if stats else None,
+                    output_elements=_alias(cells.outputs, k * stats, k * stats + 1) if stats else None,
                 )
             )
 
@@ -184,7 +185,8 @@ class OutputTap:
 
     def __init__(self, layer: LayerSpec, plan: Plan, *, forward_sum: torch.Tensor, first_call: torch.Tensor,
                  clock: torch.Tensor, out_sq: torch.Tensor, calls: torch.Tensor, samples: torch.Tensor,
-                 units: torch.Tensor, weights: torch.Tensor, output_stats: torch.Tensor | None = None) -> None:  # fmt: skip
+                 units: torch.Tensor, weights: torch.Tensor, output_stats: torch.Tensor | None = None,
+                 output_elements: torch.Tensor | None = None) -> None:  # fmt: skip
         self.plan = plan
         self.name = layer.name  # read on the failure path only
         self.layer_units = int(layer.units)
@@ -198,6 +200,7 @@ class OutputTap:
         self.units = units
         self.weights = weights
         self.output_stats = output_stats  # None: no output statistic is declared
+        self.output_elements = output_elements
         # Taps that record the same output too (MultiheadAttention's out_proj): set by HookSet.
         self.also: tuple["OutputTap", ...] = ()
         # Per-unit evidence as sums of squares (dead_eps > 0) instead of a random projection.
@@ -251,7 +254,9 @@ class OutputTap:
                 self.first_call.clamp_min_(self.clock)
                 self.clock.sub_(1.0)
                 if self.output_stats is not None:  # the declared output statistics (registry.py)
-                    self.output_stats.add_(registry.accumulate_all(local_tensor(out), self.output_stats.dtype))
+                    local = local_tensor(out)
+                    self.output_stats.add_(registry.accumulate_all(local, self.output_stats.dtype))
+                    self.output_elements.add_(local.numel())
         finally:
             _set_grad_enabled(True)  # the tap runs only with grad enabled
         if sampling and out.requires_grad:

@@ -10,7 +10,7 @@ from torch import nn
 
 from gradwatch import GradMonitor, HealthConfig
 
-from .conftest import read_scalars
+from ..conftest import read_scalars
 
 LAYERS = ("0", "2", "4")
 

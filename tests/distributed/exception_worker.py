@@ -1,6 +1,6 @@
 """An exception on one rank inside ``with GradMonitor(...)`` (gloo, CPU).
 
-    python -m tests.exception_worker RANK WORLD PORT OUT plain
+    python -m tests.distributed.exception_worker RANK WORLD PORT OUT plain
 
 Rank 0 raises inside its ``with`` block after two steps (no flush yet); rank 1 is still
 training. Then both ranks make the user's own ``all_reduce`` of three floats: it must meet

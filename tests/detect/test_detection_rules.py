@@ -11,8 +11,8 @@ from torch import nn
 
 from gradwatch import GradMonitor, HealthConfig
 
-from .conftest import regression_batches as _regression
-from .conftest import sigmoid_stack
+from ..conftest import regression_batches as _regression
+from ..conftest import sigmoid_stack
 
 
 def _run(model, steps, flush_every=10, opt=None, lr=1e-3, make=None, loss_hook=None, config=None, **kwargs):
@@ -268,7 +268,7 @@ def test_a_long_collapsing_run_has_at_most_two_onsets_per_layer_and_kind():
 
 # ------------------------------------------------------------ attention
 def test_multihead_attention_out_proj_gets_output_gradient_statistics():
-    from .reference import RetainedOutputs
+    from ..reference import RetainedOutputs
 
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)

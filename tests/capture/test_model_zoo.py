@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gradwatch import GradMonitor
 
-from .reference import RetainedOutputs, own_grad_norm
+from ..reference import RetainedOutputs, own_grad_norm
 
 # Every test here runs on both parameter-statistics paths (see conftest.param_path).
 pytestmark = pytest.mark.usefixtures("param_path")

@@ -1,6 +1,6 @@
 """Pipeline and tensor-parallel worker (gloo, CPU).
 
-    python -m tests.parallel_worker RANK WORLD PORT OUT MODE [LOGDIR]
+    python -m tests.distributed.parallel_worker RANK WORLD PORT OUT MODE [LOGDIR]
 
 Modes:
 

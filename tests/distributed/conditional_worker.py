@@ -1,6 +1,6 @@
 """Conditional compute across ranks (gloo, CPU): layers called in different orders, one on rank 0 only.
 
-    python -m tests.conditional_worker RANK WORLD PORT OUT [ok|mismatch|fail]
+    python -m tests.distributed.conditional_worker RANK WORLD PORT OUT [ok|mismatch|fail]
 
 Rank 0 calls ``a`` before ``b`` and runs ``expert``; rank 1 calls ``b`` before ``a``
 and never runs ``expert`` (a mixture-of-experts route, a branch taken by some

@@ -11,7 +11,9 @@ import math
 
 import pytest
 
-from .dist_helpers import spawn
+from ..dist_helpers import spawn
+
+pytestmark = pytest.mark.distributed
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 needs_fully_shard = pytest.mark.skipif(not hasattr(fsdp, "fully_shard"), reason="this torch has no FSDP2 fully_shard")
@@ -20,7 +22,7 @@ LAYERS = ("gate", "a", "b", "expert", "head")
 
 
 def test_conditional_compute_and_different_call_orders_across_ranks(tmp_path):
-    ranks = spawn("tests.conditional_worker", 2, str(tmp_path / "out"))  # both processes finish
+    ranks = spawn("tests.distributed.conditional_worker", 2, str(tmp_path / "out"))  # both processes finish
     for window_index in range(2):
         for rank in ranks:
             w = rank["windows"][window_index]
@@ -43,7 +45,7 @@ def test_conditional_compute_and_different_call_orders_across_ranks(tmp_path):
 
 def test_ranks_monitoring_different_layers_agree_on_their_union(tmp_path):
     # rank 1 excludes expert: both ranks still see every layer, each combined over the ranks holding it
-    ranks = spawn("tests.conditional_worker", 2, str(tmp_path / "out"), "subset")
+    ranks = spawn("tests.distributed.conditional_worker", 2, str(tmp_path / "out"), "subset")
     for r in ranks:
         assert not r["warnings"], r["warnings"]
         w = r["windows"][0]
@@ -62,7 +64,7 @@ def test_ranks_monitoring_different_layers_agree_on_their_union(tmp_path):
 
 
 def test_the_same_layer_name_with_different_shapes_falls_back_to_local_statistics(tmp_path):
-    ranks = spawn("tests.conditional_worker", 2, str(tmp_path / "out"), "mismatch")
+    ranks = spawn("tests.distributed.conditional_worker", 2, str(tmp_path / "out"), "mismatch")
     for r in ranks:
         assert r["sync_dist"] is False
         warning = next(m for m in r["warnings"] if "different units or parameters" in m)
@@ -72,7 +74,7 @@ def test_the_same_layer_name_with_different_shapes_falls_back_to_local_statistic
 
 
 def test_a_failure_on_one_rank_leaves_no_rank_waiting(tmp_path):
-    ranks = spawn("tests.conditional_worker", 2, str(tmp_path / "out"), "fail")
+    ranks = spawn("tests.distributed.conditional_worker", 2, str(tmp_path / "out"), "fail")
     # step 4 failed on rank 1: both ranks drop that step, keep the others and stay in sync
     for r in ranks:
         second = r["windows"][1]
@@ -85,7 +87,7 @@ def test_a_failure_on_one_rank_leaves_no_rank_waiting(tmp_path):
 
 def test_a_failed_collective_is_never_retried_and_reduction_stops_with_one_warning(tmp_path):
     # the first collective of the first flush raises on every rank (the communicator is broken)
-    ranks = spawn("tests.conditional_worker", 2, str(tmp_path / "out"), "collective")
+    ranks = spawn("tests.distributed.conditional_worker", 2, str(tmp_path / "out"), "collective")
     for r in ranks:
         assert r["sync_dist"] is False
         assert sum("is not retried" in m for m in r["warnings"]) == 1, r["warnings"]
@@ -99,7 +101,7 @@ def test_a_failed_collective_is_never_retried_and_reduction_stops_with_one_warni
 
 def test_an_exception_on_one_rank_closes_its_monitor_without_a_collective(tmp_path):
     # rank 0 raises inside `with GradMonitor(...)`; both ranks then make the user's own all_reduce
-    ranks = spawn("tests.exception_worker", 2, str(tmp_path / "out"), "plain")
+    ranks = spawn("tests.distributed.exception_worker", 2, str(tmp_path / "out"), "plain")
     for r in ranks:
         assert r["user_sum"] == [2.0, 2.0, 2.0]  # ones from both ranks: the user's collective met the other rank's
         assert r["gradwatch_collectives"]["reduce"] == 0
@@ -107,7 +109,7 @@ def test_an_exception_on_one_rank_closes_its_monitor_without_a_collective(tmp_pa
 
 @needs_fully_shard
 def test_fsdp2_grad_norm_is_the_norm_of_the_full_unsharded_gradient(tmp_path):
-    for rank, result in enumerate(spawn("tests.fsdp_worker", 2, str(tmp_path / "out"), "flat")):
+    for rank, result in enumerate(spawn("tests.distributed.fsdp_worker", 2, str(tmp_path / "out"), "flat")):
         for got, exp in zip(result["got"], result["expected"]):
             for name, value in got.items():
                 assert value == pytest.approx(exp["full"][name], rel=1e-5), (rank, name)
@@ -127,7 +129,7 @@ def _check_update_ratio(result):
 @needs_fully_shard
 def test_fsdp2_hybrid_2x2_mesh_counts_each_shard_once(tmp_path):
     # replicate x shard: summing the shard partials over all four ranks would count each twice
-    results = spawn("tests.fsdp_worker", 4, str(tmp_path / "out"), "hsdp")
+    results = spawn("tests.distributed.fsdp_worker", 4, str(tmp_path / "out"), "hsdp")
     for rank, result in enumerate(results):
         assert result["placements"][0] == "(Replicate(), Shard(dim=0))"
         for t, (got, exp) in enumerate(zip(result["got"], result["expected"])):

@@ -14,10 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from .dist_helpers import spawn
+from ..dist_helpers import spawn
 from .parallel_worker import (
     FLUSH_EVERY, MICROBATCHES, SEQ, STEPS, References, batch, build_net, build_sp_net, build_tp_net, sp_batch, tp_batch,
 )  # fmt: skip
+
+pytestmark = pytest.mark.distributed
 
 pipelining = pytest.importorskip("torch.distributed.pipelining")
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -104,7 +106,7 @@ def _single_process_pipeline_references(dead: bool = False) -> list[dict]:
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_two_pipeline_stages_rank0_writes_every_layer_of_every_stage(tmp_path, schedule):
-    ranks = spawn("tests.parallel_worker", 2, str(tmp_path / "out"), schedule)
+    ranks = spawn("tests.distributed.parallel_worker", 2, str(tmp_path / "out"), schedule)
     single = _single_process_pipeline_references()
     for r in ranks:  # the references are those of the full model in one process
         for step, ref in enumerate(r["steps"]):
@@ -122,7 +124,7 @@ def test_a_dead_layer_on_the_last_stage_is_alerted_reported_and_named_as_the_roo
     from gradwatch.cli import main
 
     logdir = tmp_path / "tb"
-    ranks = spawn("tests.parallel_worker", 2, str(tmp_path / "out"), "dead", str(logdir))
+    ranks = spawn("tests.distributed.parallel_worker", 2, str(tmp_path / "out"), "dead", str(logdir))
     _check_every_layer(ranks, PP_LAYERS)
     for r in ranks:  # every rank judged the same union, so stop_on would stop them together
         assert [(kind, layer) for kind, layer, _ in r["alerts"]] == [("dead_units", "layers.2")]
@@ -137,7 +139,7 @@ def test_a_dead_layer_on_the_last_stage_is_alerted_reported_and_named_as_the_roo
 
 @needs_fully_shard
 def test_pipeline_by_fsdp2_on_a_2x2_mesh_gives_the_full_models_values(tmp_path):
-    ranks = spawn("tests.parallel_worker", 4, str(tmp_path / "out"), "pp_fsdp")
+    ranks = spawn("tests.distributed.parallel_worker", 4, str(tmp_path / "out"), "pp_fsdp")
     assert [r["layers"] for r in ranks] == [PP_LAYERS[:2]] * 2 + [PP_LAYERS[2:]] * 2
     for r in ranks:
         assert r["sync_dist"] and not r["warnings"], r["warnings"]
@@ -163,7 +165,7 @@ def _single_process_tp_references() -> list[dict]:
 
 
 def test_tensor_parallel_colwise_and_rowwise_layers_count_their_outputs_once(tmp_path):
-    ranks = spawn("tests.parallel_worker", 2, str(tmp_path / "out"), "tp")
+    ranks = spawn("tests.distributed.parallel_worker", 2, str(tmp_path / "out"), "tp")
     single = _single_process_tp_references()
     sent = _sent(ranks[0])
     for step in range(STEPS):
@@ -183,7 +185,7 @@ def test_tensor_parallel_colwise_and_rowwise_layers_count_their_outputs_once(tmp
 def test_sequence_parallel_norms_and_token_sharded_outputs_give_the_full_models_values(tmp_path):
     # The norm under SequenceParallel has Partial gradients and a token-sharded DTensor output; fc2
     # (RowwiseParallel(output_layouts=Shard(1))) hands each rank other tokens: both add up over ranks.
-    ranks = spawn("tests.parallel_worker", 2, str(tmp_path / "out"), "sp")
+    ranks = spawn("tests.distributed.parallel_worker", 2, str(tmp_path / "out"), "sp")
     net = build_sp_net()
     named = {"norm": net.norm, "fc1": net.fc1, "fc2": net.fc2}
     refs = References(named)
@@ -211,7 +213,7 @@ def test_sequence_parallel_norms_and_token_sharded_outputs_give_the_full_models_
 
 @needs_fully_shard
 def test_tensor_parallel_by_fsdp2_on_a_2x2_mesh_gives_the_full_models_values(tmp_path):
-    ranks = spawn("tests.parallel_worker", 4, str(tmp_path / "out"), "tp_dp")
+    ranks = spawn("tests.distributed.parallel_worker", 4, str(tmp_path / "out"), "tp_dp")
     for r in ranks:
         assert r["sync_dist"] and not r["warnings"], r["warnings"]
     _check_every_layer(
@@ -224,6 +226,6 @@ def test_tensor_parallel_by_fsdp2_on_a_2x2_mesh_gives_the_full_models_values(tmp
 def test_the_schedules_shape_inference_pass_is_avoided_by_static_stage_shapes(tmp_path):
     # Without input_args/output_args the schedule runs one forward and backward more at its first
     # step, to infer shapes (on uninitialised inputs after stage 0): forward hooks see it.
-    ranks = spawn("tests.parallel_worker", 2, str(tmp_path / "out"), "dynamic")
+    ranks = spawn("tests.distributed.parallel_worker", 2, str(tmp_path / "out"), "dynamic")
     for r in ranks:
         assert r["calls"] == {layer: STEPS * MICROBATCHES + 1 for layer in r["layers"]}

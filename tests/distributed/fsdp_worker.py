@@ -1,6 +1,6 @@
 """FSDP2 worker (gloo, CPU): 2 processes with one shard dim, or 4 on a 2x2 replicate x shard mesh.
 
-    python -m tests.fsdp_worker RANK WORLD PORT OUT [flat|hsdp]
+    python -m tests.distributed.fsdp_worker RANK WORLD PORT OUT [flat|hsdp]
 
 Each rank trains on its own data and records, per step and layer, the norm of the
 full gradient (``p.grad.full_tensor()``) and of its local shard next to gradwatch's

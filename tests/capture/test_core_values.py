@@ -10,8 +10,8 @@ from torch import nn
 
 from gradwatch import GradMonitor
 
-from .conftest import TwoBranch, read_scalars
-from .reference import RetainedOutputs
+from ..conftest import TwoBranch, read_scalars
+from ..reference import RetainedOutputs
 
 # Every test here runs on both parameter-statistics paths (see conftest.param_path).
 pytestmark = pytest.mark.usefixtures("param_path")
@@ -269,10 +269,11 @@ def test_buffer_memory_does_not_grow():
         sizes.append(monitor.buffer_bytes)
     assert len(set(sizes)) == 1
     # float64, declared at attach: per step 4 values per parameter tensor (4 tensors), 5 per
-    # layer (2 layers) and 1 failure mark, over 3 steps; per window 9 units.
-    # The step's cells: 2 forward and 3 backward values per layer, the units, the clock; and
+    # layer (2 layers), 1 failure mark and the activation statistics' 3 accumulators per layer
+    # (elements, sum of squares, zeros), over 3 steps; per window 9 units. The step's cells: 2
+    # forward and 3 backward values per layer, the units, the clock, 3 accumulators per layer; and
     # the float32 projection weights (16384).
-    assert sizes[0] == 8 * (3 * (4 * 4 + 5 * 2 + 1) + 9) + 8 * (5 * 2 + 9 + 1) + 4 * 16384
+    assert sizes[0] == 8 * (3 * (4 * 4 + 5 * 2 + 1 + 3 * 2) + 9) + 8 * (5 * 2 + 9 + 1 + 3 * 2) + 4 * 16384
     monitor.close()
 
 
@@ -397,11 +398,11 @@ def test_wandb_example_runs_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setattr(sys, "argv", ["plain_loop_wandb.py", "--dir", str(tmp_path), "--steps", "60"])
-    runpy.run_path(str(__import__("pathlib").Path(__file__).parents[1] / "examples" / "plain_loop_wandb.py"),
+    runpy.run_path(str(__import__("pathlib").Path(__file__).parents[2] / "examples" / "plain_loop_wandb.py"),
                    run_name="__main__")  # fmt: skip
     import wandb
 
-    from .test_lightning_loggers import _wandb_history
+    from ..integrations.test_lightning_loggers import _wandb_history
 
     wandb.teardown()  # waits for W&B's core process to finish writing the run's file
     rows = _wandb_history(str(tmp_path / "wandb"))
@@ -476,7 +477,7 @@ def test_activation_statistics_equal_a_direct_computation_over_every_call_of_the
     # test keeps itself: a layer called twice per step (its calls pooled), a layer with units that
     # are exactly zero (weights and bias zeroed), two micro-batches per step; written to TensorBoard
     # under gradwatch/act_rms/<layer> and gradwatch/act_zero_fraction/<layer> at the sampled steps.
-    from .conftest import read_scalars
+    from ..conftest import read_scalars
 
     torch.manual_seed(0)
     shared = nn.Linear(6, 6)

@@ -16,10 +16,10 @@ from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
 from gradwatch import GradWatch, HealthConfig  # noqa: E402
 
-from .conftest import read_scalars  # noqa: E402
-from .lightning_app.model import RankSplitModel, Regressor  # noqa: E402
+from ..conftest import read_scalars  # noqa: E402
+from ..lightning_app.model import RankSplitModel, Regressor  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _trainer(tmp_path, callbacks, **kwargs):

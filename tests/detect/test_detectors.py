@@ -10,8 +10,8 @@ from torch import nn
 
 from gradwatch import Alert, GradientHealthError, GradMonitor, HealthConfig
 
-from .conftest import regression_batches as _regression_batch
-from .conftest import sigmoid_stack
+from ..conftest import regression_batches as _regression_batch
+from ..conftest import sigmoid_stack
 
 
 def _train(model, monitor, steps, make_batch, loss_fn, lr=1e-3, opt=None, before_step=None, poison=None):

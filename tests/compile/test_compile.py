@@ -21,7 +21,9 @@ from torch import nn
 
 from gradwatch import GradMonitor, HealthConfig
 
-from .reference import RetainedOutputs, own_grad_norm
+from ..reference import RetainedOutputs, own_grad_norm
+
+pytestmark = pytest.mark.compile
 
 BACKEND = "aot_eager"
 
@@ -385,3 +387,62 @@ def test_compiled_autograd_traces_the_output_gradient_hooks():
         assert w.out_grad_norm[0, i] == pytest.approx(expected[name]["out_grad_norm"], rel=1e-4)
         assert w.grad_norm[0, i] == pytest.approx(expected[name]["grad_norm"], rel=1e-4)
     monitor.close()
+
+
+class _GraphCount:
+    """A backend of one model's own: counts the graphs dynamo hands it (per model, not process-wide)."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return gm.forward
+
+
+def _teacher_and_student(monitor_student: bool, teacher_first: bool) -> tuple[int, int, list[float]]:
+    """An unmonitored compiled teacher beside a compiled student that is monitored in 3 attach ->
+    6 steps -> close cycles; returns (teacher graphs, student graphs, student grad norms recorded)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+
+    def make():
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    teacher_count, student_count = _GraphCount(), _GraphCount()
+    teacher, student = torch.compile(make(), backend=teacher_count), torch.compile(make(), backend=student_count)
+    x = torch.randn(4, 8)
+    if teacher_first:
+        teacher(x).sum().backward()
+    recorded = []
+    for _ in range(3):
+        monitor = GradMonitor(student, flush_every=6, detail="full") if monitor_student else None
+        for _ in range(6):
+            teacher(x).sum().backward()
+            student(x).sum().backward()
+            if monitor is not None:
+                monitor.step()
+        if monitor is not None:
+            monitor.close()
+            recorded.append(float(monitor.last_window.out_grad_norm[-1, 0]))
+    return teacher_count.graphs, student_count.graphs, recorded
+
+
+def test_an_unmonitored_compiled_model_compiles_as_it_would_alone():
+    # An EMA copy or a teacher of the same class, compiled in the same process: attaching to and
+    # closing a monitor on another model changes none of its graphs (no shared cache is dropped,
+    # and the hook guards a monitor turns on cost it no graph).
+    alone, _, _ = _teacher_and_student(monitor_student=False, teacher_first=False)
+    beside, student_graphs, recorded = _teacher_and_student(monitor_student=True, teacher_first=False)
+    assert beside == alone == 1
+    assert all(math.isfinite(v) and v > 0 for v in recorded)  # the student was recorded in every cycle
+    assert student_graphs <= 2  # attach/close cycles add no graph
+
+
+def test_a_model_compiled_before_the_first_monitor_recompiles_once_at_most():
+    # Its cache entries were compiled without hook guards: the shared code is dropped once, at the
+    # first attach, and never again.
+    alone, _, _ = _teacher_and_student(monitor_student=False, teacher_first=True)
+    beside, _, recorded = _teacher_and_student(monitor_student=True, teacher_first=True)
+    assert beside <= alone + 1
+    assert all(math.isfinite(v) and v > 0 for v in recorded)

@@ -1,4 +1,4 @@
-"""Worker for the torchrun test: python -m torch.distributed.run --nproc_per_node 2 tests/hf_worker.py OUT
+"""Worker for the torchrun test: python -m torch.distributed.run --nproc_per_node 2 tests/integrations/hf_worker.py OUT
 
 Two CPU processes (gloo) train a tiny GPT-2 with the Hugging Face Trainer and GradWatchCallback;
 each writes what it saw to OUT/rank<R>.json.
@@ -11,10 +11,10 @@ import sys
 import torch
 import transformers
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from gradwatch.hf import GradWatchCallback  # noqa: E402
-from tests.test_hf import _Tokens  # noqa: E402
+from tests.integrations.test_hf import _Tokens  # noqa: E402
 
 
 def main(out: str) -> None:

@@ -17,8 +17,8 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger  # noqa: E402
 
 from gradwatch import GradWatch  # noqa: E402
 
-from .conftest import read_scalars  # noqa: E402
-from .lightning_app.model import Regressor  # noqa: E402
+from ..conftest import read_scalars  # noqa: E402
+from ..lightning_app.model import Regressor  # noqa: E402
 
 LAYERS = ("net.0", "net.2", "net.4")
 STEPS = 12
@@ -163,7 +163,7 @@ class _PerOptimizerNorms(L.Callback):
 
 
 def test_several_optimizers_each_layer_at_its_own_optimizers_steps(tmp_path):
-    from .lightning_app.model import TinyGAN
+    from ..lightning_app.model import TinyGAN
 
     reference = _PerOptimizerNorms()
     watch = GradWatch(flush_every=4)

@@ -17,8 +17,8 @@ from torch import nn
 from benchmarks.harness import OpCounter
 from gradwatch import GradMonitor
 
-from .conftest import read_scalars
-from .reference import RetainedOutputs
+from ..conftest import read_scalars
+from ..reference import RetainedOutputs
 
 
 def _mlp():
@@ -73,13 +73,17 @@ def _ops_per_step(
 
 
 @pytest.mark.parametrize("make", [_mlp, _transformer], ids=["mlp8x512-batch64", "transformer4x256-adam"])
-def test_default_adds_at_most_ten_percent_aten_ops_per_step(make):
+def test_default_adds_at_most_eleven_percent_aten_ops_per_step(make):
     plain, plain_ops = _ops_per_step(make, monitored=False, counted=10)  # the same every step
     standard, standard_ops = _ops_per_step(make, monitored=True)
     full, _ = _ops_per_step(make, monitored=True, detail="full", counted=10)
     plain_ops = collections.Counter({op: n * 5 for op, n in plain_ops.items()})  # per 50 steps
     extra = standard - plain
-    assert extra <= 0.10 * plain, (plain, standard, (standard_ops - plain_ops).most_common(10))
+    # 10% before the contract's activation statistics (act_rms, act_zero_fraction: 6 ops per layer
+    # call on sampled steps) were added; they measured +1.1 points on the MLP (9.8% -> 10.9%) and
+    # +0.9 on the Transformer (7.5% -> 8.4%). Issue #30 asks for +5%: the forward check alone is
+    # 2 ops per layer and step (18 of the MLP's 34).
+    assert extra <= 0.11 * plain, (plain, standard, (standard_ops - plain_ops).most_common(10))
     assert full - plain > 2 * extra  # the budget is met by reading less, not by counting differently
 
 
@@ -162,7 +166,7 @@ def test_detail_is_checked():
 
 @pytest.mark.parametrize("detail", ["standard", "full"])
 def test_no_host_sync_between_flushes_in_either_detail(monkeypatch, detail):
-    from .test_core_hygiene import _cnn, _train
+    from ..test_core_hygiene import _cnn, _train
 
     torch.manual_seed(0)
     model = _cnn()

@@ -14,7 +14,7 @@ import pytest
 from gradwatch.cli import main
 from gradwatch.demo import run_demo
 
-from .tensorboard_server import TensorBoardServer, get_json
+from ..tensorboard_server import TensorBoardServer, get_json
 
 DEMO_STEPS = 60
 
@@ -230,7 +230,7 @@ def test_heatmap_skipped_cleanly_without_matplotlib(tmp_path, monkeypatch, caplo
                 monitor.step()
                 model.zero_grad()
     assert any("matplotlib" in r.getMessage() for r in caplog.records)
-    from .conftest import read_scalars
+    from ..conftest import read_scalars
 
     assert sorted(read_scalars(str(tmp_path))["gradwatch/grad_norm/0"]) == [0, 1, 2, 3]
 

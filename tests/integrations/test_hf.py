@@ -13,7 +13,7 @@ pytest.importorskip("accelerate")
 
 from gradwatch.hf import GradWatchCallback  # noqa: E402
 
-from .conftest import read_scalars  # noqa: E402
+from ..conftest import read_scalars  # noqa: E402
 
 LAYERS = ("transformer.wte", "transformer.h.0.attn.c_attn", "transformer.h.1.mlp.c_proj", "transformer.ln_f")
 
@@ -52,7 +52,7 @@ class _RawOutNorms(transformers.TrainerCallback):
         self.retained = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        from .reference import RetainedOutputs
+        from ..reference import RetainedOutputs
 
         self.retained = RetainedOutputs(model, list(LAYERS))
 
@@ -213,10 +213,10 @@ def test_torchrun_two_cpu_processes_rank_zero_writes(tmp_path):
     import subprocess
     import sys
 
-    from .dist_helpers import ROOT, free_port
+    from ..dist_helpers import ROOT, free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           os.path.join(ROOT, "tests", "hf_worker.py"), str(tmp_path)]  # fmt: skip
+           os.path.join(ROOT, "tests", "integrations", "hf_worker.py"), str(tmp_path)]  # fmt: skip
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
