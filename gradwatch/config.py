@@ -114,3 +114,34 @@ class HealthConfig:
                 f"choose from {list(ALERT_KINDS)}"
             )
         self.stop_on = stop_on
+
+
+def _document_fields(cls: type) -> None:
+    """Append an "Attributes:" section to ``cls.__doc__`` from the ``#:`` comments above each field,
+    so that ``help(HealthConfig)`` lists every threshold, its default and its meaning (one source)."""
+    import dataclasses
+    import inspect
+
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):  # no source (a frozen or stripped install): the class doc as it is
+        return
+    notes: dict[str, str] = {}
+    pending: list[str] = []
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("#:"):
+            pending.append(stripped[2:].strip())
+        elif ":" in stripped and pending and not stripped.startswith(("def ", "#", '"')):
+            notes[stripped.split(":")[0].strip()] = " ".join(pending)
+            pending = []
+        elif not stripped.startswith("#"):
+            pending = []
+    entries = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        entries.append(f"        {f.name} (default {default!r}): {notes.get(f.name, '')}")
+    cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\n    Attributes:\n" + "\n".join(entries) + "\n"
+
+
+_document_fields(HealthConfig)

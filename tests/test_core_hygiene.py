@@ -210,3 +210,50 @@ def test_data_parallel_is_one_warning_that_says_what_is_not_recorded(caplog):
     assert len(said) == 1 and "first GPU only" in said[0] and "DistributedDataParallel" in said[0]
     assert monitor.layers == ["module.0", "module.2"]
     monitor.close()
+
+
+def test_construction_that_fails_part_way_leaves_no_hook_and_no_thread(tmp_path):
+    # The writer (a thread) is open and the optimizer hooks are registered when the bad metrics
+    # callback is found: everything built so far is taken down before the TypeError propagates.
+    import threading
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = set(threading.enumerate())
+    with pytest.raises(TypeError, match="callback must be callable"):
+        GradMonitor(model, logdir=str(tmp_path), optimizer=opt, metrics_callback=42)
+    assert all(not m._forward_hooks for m in model.modules())
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    left = [t for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert left == [], left
+
+
+def test_alerts_are_a_bounded_ring_and_checkpoints_stay_the_same_size():
+    # A new condition at every step (a new layer each time): far more than KEEP_ALERTS onsets.
+    from gradwatch.alerts import Finding
+    from gradwatch.detect.tracker import KEEP_ALERTS, AlertTracker
+
+    tracker = AlertTracker(remind_every=10, log_alerts=False, recovery_flushes=1, layers=["a"])
+    sizes = []
+    for k in range(3 * KEEP_ALERTS):
+        tracker.raise_onsets([Finding("exploding", f"layer{k}", k, 1.0, 0.5, "")])
+        if k % KEEP_ALERTS == KEEP_ALERTS - 1:
+            sizes.append(len(tracker.state_dict()["alerts"]))
+    assert len(tracker.alerts) == KEEP_ALERTS and tracker.raised == 3 * KEEP_ALERTS
+    assert [a.layer for a in tracker.alerts][-1] == f"layer{3 * KEEP_ALERTS - 1}"  # the most recent kept
+    assert sizes == [KEEP_ALERTS] * 3
+
+
+def test_help_of_the_public_classes_lists_every_argument():
+    import inspect
+
+    from gradwatch import GradWatch
+    from gradwatch.hf import GradWatchCallback
+
+    for cls in (GradMonitor, GradWatch, GradWatchCallback):
+        doc = inspect.getdoc(cls)
+        for name in inspect.signature(cls.__init__).parameters:
+            if name != "self":
+                assert f"{name}:" in doc or f"{name} " in doc or f"/ {name}" in doc, (cls.__name__, name)
+    assert "Args:" in inspect.getdoc(GradMonitor) and "Raises:" in inspect.getdoc(GradMonitor)
+    assert inspect.getdoc(HealthConfig).count("\n") > 10  # every threshold documented
