@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any, Callable
 
 log = logging.getLogger("gradwatch")
 
@@ -28,6 +29,16 @@ class FailureLog:
             log.warning(
                 "gradwatch: %s has failed %d times (last: %s: %s); %s", stage, count, type(exc).__name__, exc, consequence
             )
+
+    def guarded(self, stage: str, action: Callable[[], Any], default: Any = None) -> Any:
+        """``action()``; if it raises, the failure is recorded and ``default`` returned."""
+        try:
+            result = action()
+        except Exception as exc:
+            self.failed(stage, exc)
+            return default
+        self.succeeded(stage)
+        return result
 
     def succeeded(self, stage: str) -> None:
         """Record that ``stage`` worked; logs its recovery if it had been failing."""

@@ -17,14 +17,12 @@ from .capture.layers import discover_layers
 from .capture.param_stats import ModelMoved
 from .capture.watch import ModelWatch
 from .config import HealthConfig
-from .detect.checks import Assessment, HealthChecks, normalises_step
-from .detect.per_step import StepJudge
-from .detect.tracker import AlertTracker
+from .detect.assemble import assemble
+from .detect.checks import Assessment
 from .distributed.agreement import agree_on_layout
 from .distributed.collectives import Collectives
 from .distributed.tensor_parallel import output_shares
 from .failures import FailureLog
-from .flush.readback import StepReadback
 from .flush.reader import WindowReader
 from .flush.window import Window
 from .settings import DETAILS, check_device, check_outputs, check_settings, check_step_number, check_window_size
@@ -88,7 +86,7 @@ class GradMonitor:
         self._collectives = collectives = Collectives(sync_dist)
         self._output_shares = None  # tensor parallelism: read first, it sets split layers' units
         if collectives.enabled:  # torch's private TP layouts: a failure costs the TP weights, not the run
-            self._output_shares = self._guarded(
+            self._output_shares = self._failures.guarded(
                 "reading the tensor-parallel layout", lambda: output_shares(model, self._layer_specs)
             )
         self._recorder, self._updates = build_recorder(
@@ -110,22 +108,11 @@ class GradMonitor:
         mesh = agree_on_layout(collectives, self._layer_specs, recorder, self._output_shares, self._failures)
         self._names = list(mesh.names) if mesh is not None else [layer.name for layer in self._layer_specs]
         self._reader = WindowReader(recorder, collectives, self._failures, mesh)
-        normalised = config.normalised_optimizer
-        if normalised is None:
-            normalised = optimizer is not None and normalises_step(optimizer)
-        self._checks = HealthChecks(config, self._names, normalised_steps=normalised)
         is_writer = collectives.rank == 0  # only rank 0 writes
-        self._tracker = AlertTracker(config.remind_every, log_alerts=is_writer,
-                                     recovery_flushes=config.recovery_flushes, layers=self._names)  # fmt: skip
-        # nonfinite and the model's exploding at every step, from a read-back that never waits for the
-        # device. Not for sharded parameters (each rank's values are partial until the flush's reduction,
-        # and a stop_on decision must be the same on every rank), nor when ranks hold different layers.
-        readback = StepReadback(recorder.layout, host_path=recorder.param_stats.counts_every_step)
-        self._per_step = readback.available and not recorder.param_stats.sharded and mesh is None
-        self._checks.model_per_step = self._per_step
-        scaler = self._scaler  # not self: nothing the hooks reach may keep the monitor alive
-        self._judge = StepJudge(readback, recorder.layout, self._checks, self._tracker, self._failures,
-                                lambda: scaler is not None and scaler.is_enabled())  # fmt: skip
+        detection = assemble(config, self._names, optimizer, recorder, mesh is not None, self._failures,
+                             self._scaler, is_writer)  # fmt: skip
+        self._checks, self._tracker, self._judge = detection.checks, detection.tracker, detection.judge
+        self._per_step = detection.per_step
         self._alerts_since_flush: list[Alert] = []  # raised by step() since the last flush, for its text
         self._window_steps: list[int] = []
         self._watch = ModelWatch(recorder)
@@ -253,10 +240,10 @@ class GradMonitor:
             recorder.reset_window()
         if window is None:
             return early
-        assessment = self._guarded("the health checks", lambda: self._checks.check(window), Assessment())
+        assessment = self._failures.guarded("the health checks", lambda: self._checks.check(window), Assessment())
         recorder.layout.full_window = self._checks.wants_every_step  # dead units to confirm on every step
         last_step = max(steps + window.update_steps)
-        new = early + self._guarded("alert tracking", lambda: self._tracker.update(assessment, last_step), [])
+        new = early + self._failures.guarded("alert tracking", lambda: self._tracker.update(assessment, last_step), [])
         of_window, self._alerts_since_flush = self._alerts_since_flush + new, []  # the text shows them all
         if self._outputs is not None:
             histograms = self._histogram_grads if self.histograms else None
@@ -279,15 +266,6 @@ class GradMonitor:
     def _histogram_grads(self) -> list[tuple[str, list[torch.Tensor]]]:
         named = [(layer.name, [p.grad for p in layer.params if p.grad is not None]) for layer in self._layer_specs]
         return [(name, grads) for name, grads in named if grads]
-
-    def _guarded(self, stage: str, action: Callable[[], Any], default: Any = None) -> Any:
-        try:
-            result = action()
-        except Exception as exc:
-            self._failures.failed(stage, exc)
-            return default
-        self._failures.succeeded(stage)
-        return result
 
     # --------------------------------------------------------------- closing
     def close(self) -> None:

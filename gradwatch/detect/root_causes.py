@@ -29,85 +29,116 @@ def root_causes(result: Any, vanishing: list[Finding], dead: list[Finding], orde
       still too little to judge, says every unit is dead so far waits for that judgement:
       the dead layer is named first, and this one with it.
     """
-    # Neighbours in the order the layers ran (module order is not data flow: a ModuleList of
-    # branches lists every branch's first layer before their second ones).
-    position = {name: i for i, name in enumerate(order)}
-    vanished = {f.layer: f for f in vanishing}
-    index = {name: i for i, name in enumerate(dead_rule.layers)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        fed = np.nanmedian(np.where(w.out_seen, w.out_grad_norm, np.nan), axis=0) > 0
-
-    def starved(name: str | None) -> bool:
-        """Vanished to exactly zero although gradient reaches its output: its input is zero."""
-        return name in vanished and vanished[name].value == 0 and bool(fed[index[name]])
-
-    dead = [f for f in dead if not (f.layer in vanished and _successor(order, f.layer) in vanished
-                                    and not starved(_successor(order, f.layer)))]  # fmt: skip
-    explained: set[str] = set()
-    for f in vanishing:  # wait for its own or a dead neighbour's judgement (see above)
-        for name in (f.layer, _successor(order, f.layer)):
-            confirming = name is not None and dead_rule.confirming[index[name]]
-            if f.value == 0 and (confirming or (name is not None and dead_rule.pending_all_dead(index[name]))):
-                explained.add(f.layer)
-        before = _predecessor(order, f.layer)  # a layer being confirmed dead that feeds it zeros
-        if f.value == 0 and before is not None and dead_rule.confirming[index[before]] and starved(f.layer):
-            explained.add(f.layer)
-    by_position = {position[f.layer]: f for f in dead}
-    # A completely dead layer passes no gradient back: a completely dead layer right before it
-    # has an all-zero output gradient because of it, whatever its own units do. The last of
-    # such a run is the root (from the last layer back, so a run of any length has one root).
-    roots: dict[int, Finding] = {}
-    behind: dict[str, list[str]] = {}
-    for i in sorted(by_position, reverse=True):
-        f = by_position[i]
-        if f.value < 0.999:
-            continue
-        root = roots.get(i + 1)
-        if root is None:
-            roots[i] = f
-            continue
-        roots[i] = root
-        behind.setdefault(root.layer, []).append(f.layer)
-        explained.add(f.layer)
-        by_position.pop(i)
-    for layer, names in behind.items():
-        root = next(f for f in by_position.values() if f.layer == layer)
-        root.detail += (
-            f"; it passes no gradient back, so the all-zero output gradient of {_describe(list(reversed(names)))} "
-            f"before it follows from it"
-        )
-    for i in sorted(by_position):
-        root, successor = by_position.get(i), by_position.get(i + 1)
-        if root is not None and root.value >= 0.999 and successor is not None:
-            # The layer right after a completely dead one sees its constant output: dead units
-            # there are a consequence, named in its alert, not a separate condition. (Only
-            # the next layer: module order is not data flow across parallel branches.)
-            root.detail += f"; the dead units of layer {successor.layer} after it follow from it"
-            by_position.pop(i + 1)
+    causes = _Causes(vanishing, order, w, dead_rule)
+    dead = [f for f in dead if not causes.in_underflowing_stack(f.layer)]
+    causes.wait_for_dead_judgements(vanishing)
+    by_position = {causes.position[f.layer]: f for f in dead}
+    causes.merge_runs_of_dead_layers(by_position)
+    causes.merge_dead_successors(by_position)
     dead = [by_position[i] for i in sorted(by_position)]
     for f in dead:
-        explained.add(f.layer)
+        causes.explain_neighbours(f)
+    result.findings += [f for f in vanishing if f.layer not in causes.explained] + dead
+    for name in causes.explained & set(causes.vanished):
+        result.clear.discard(("vanishing", name))
+
+
+class _Causes:
+    """One window's findings in the order the layers ran, and which of them another explains.
+
+    Neighbours are taken in the order the layers ran (module order is not data flow: a
+    ModuleList of branches lists every branch's first layer before their second ones).
+    """
+
+    def __init__(self, vanishing: list[Finding], order: list[str], w: Window, dead_rule: DeadUnitsRule) -> None:
+        self.order = order
+        self.position = {name: i for i, name in enumerate(order)}
+        self.vanished = {f.layer: f for f in vanishing}
+        self.index = {name: i for i, name in enumerate(dead_rule.layers)}
+        self.dead_rule = dead_rule
+        self.explained: set[str] = set()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            self.fed = np.nanmedian(np.where(w.out_seen, w.out_grad_norm, np.nan), axis=0) > 0
+
+    def starved(self, name: str | None) -> bool:
+        """Vanished to exactly zero although gradient reaches its output: its input is zero."""
+        return name in self.vanished and self.vanished[name].value == 0 and bool(self.fed[self.index[name]])
+
+    def in_underflowing_stack(self, layer: str) -> bool:
+        """A zero-gradient layer whose next layer vanishes too (not starved): a deep stack underflowing."""
+        successor = _successor(self.order, layer)
+        return layer in self.vanished and successor in self.vanished and not self.starved(successor)
+
+    def wait_for_dead_judgements(self, vanishing: list[Finding]) -> None:
+        """A zero-gradient layer waits for its own or a dead neighbour's dead-unit judgement."""
+        confirming, index = self.dead_rule.confirming, self.index
+        for f in vanishing:
+            if f.value != 0:
+                continue
+            for name in (f.layer, _successor(self.order, f.layer)):
+                if name is not None and (confirming[index[name]] or self.dead_rule.pending_all_dead(index[name])):
+                    self.explained.add(f.layer)
+            before = _predecessor(self.order, f.layer)  # a layer being confirmed dead that feeds it zeros
+            if before is not None and confirming[index[before]] and self.starved(f.layer):
+                self.explained.add(f.layer)
+
+    def merge_runs_of_dead_layers(self, by_position: dict[int, Finding]) -> None:
+        """A completely dead layer passes no gradient back: a completely dead layer right before it
+        has an all-zero output gradient because of it, whatever its own units do. The last of such
+        a run is the root (from the last layer back, so a run of any length has one root)."""
+        roots: dict[int, Finding] = {}
+        behind: dict[str, list[str]] = {}
+        for i in sorted(by_position, reverse=True):
+            f = by_position[i]
+            if f.value < 0.999:
+                continue
+            root = roots.get(i + 1)
+            if root is None:
+                roots[i] = f
+                continue
+            roots[i] = root
+            behind.setdefault(root.layer, []).append(f.layer)
+            self.explained.add(f.layer)
+            by_position.pop(i)
+        for layer, names in behind.items():
+            root = next(f for f in by_position.values() if f.layer == layer)
+            root.detail += (
+                f"; it passes no gradient back, so the all-zero output gradient of {_describe(list(reversed(names)))} "
+                f"before it follows from it"
+            )
+
+    @staticmethod
+    def merge_dead_successors(by_position: dict[int, Finding]) -> None:
+        """The layer right after a completely dead one sees its constant output: dead units there
+        are a consequence, named in its alert, not a separate condition. (Only the next layer:
+        module order is not data flow across parallel branches.)"""
+        for i in sorted(by_position):
+            root, successor = by_position.get(i), by_position.get(i + 1)
+            if root is not None and root.value >= 0.999 and successor is not None:
+                root.detail += f"; the dead units of layer {successor.layer} after it follow from it"
+                by_position.pop(i + 1)
+
+    def explain_neighbours(self, f: Finding) -> None:
+        """A dead layer explains the starved layer after it and the vanishing run before it."""
+        self.explained.add(f.layer)
         if f.value < 0.999:
-            continue
-        successor = _successor(order, f.layer)
-        if starved(successor):
-            explained.add(successor)  # type: ignore[arg-type]
+            return
+        successor = _successor(self.order, f.layer)
+        if self.starved(successor):
+            self.explained.add(successor)  # type: ignore[arg-type]
             f.detail += f"; its all-zero output leaves layer {successor} without a parameter gradient"
         upstream = []
-        for i in range(position[f.layer] - 1, -1, -1):  # the contiguous vanishing run before it
-            if order[i] not in vanished:
+        for i in range(self.position[f.layer] - 1, -1, -1):  # the contiguous vanishing run before it
+            if self.order[i] not in self.vanished:
                 break
-            upstream.append(order[i])
+            upstream.append(self.order[i])
         if upstream:
-            explained.update(upstream)
+            self.explained.update(upstream)
             f.detail += (
                 f"; it passes no gradient back, which explains the vanishing gradient of "
                 f"{_describe(list(reversed(upstream)))} before it"
             )
-    result.findings += [f for f in vanishing if f.layer not in explained] + dead
-    for name in explained & set(vanished):
-        result.clear.discard(("vanishing", name))
 
 
 def forward_order(w: Window) -> list[str]:

@@ -60,15 +60,6 @@ class Outputs:
     def add_callback(self, callback: MetricsCallback) -> None:
         self.callbacks.append(CallbackSink(callback))
 
-    def _guarded(self, stage: str, action: Callable[[], Any]) -> Any:
-        try:
-            result = action()
-        except Exception as exc:
-            self._failures.failed(stage, exc)
-            return None
-        self._failures.succeeded(stage)
-        return result
-
     def _open_own_writer(self) -> None:
         """Open the writer gradwatch owns (at attach, then at each flush until it works: a full disk)."""
         if self.tensorboard is not None or self._logdir is None:
@@ -82,7 +73,7 @@ class Outputs:
             writer = SummaryWriter(log_dir=self._logdir, max_queue=1000, flush_secs=30)
             return TensorBoardSink(writer, owns_writer=True)
 
-        self.tensorboard = self._guarded("opening the TensorBoard writer", open_writer)
+        self.tensorboard = self._failures.guarded("opening the TensorBoard writer", open_writer)
 
     def write(self, window: Window, alerts: list[Alert], total_alerts: int, final: bool,
               histograms: Callable[[], list[tuple[str, Any]]] | None = None) -> None:  # fmt: skip
@@ -90,15 +81,15 @@ class Outputs:
         self._open_own_writer()
         board = self.tensorboard
         if board is not None:
-            self._guarded("writing to TensorBoard", lambda: board.write(window, alerts, total_alerts, final=final))
+            self._failures.guarded("writing to TensorBoard", lambda: board.write(window, alerts, total_alerts, final=final))
             if histograms is not None and not final and window.steps:
-                self._guarded("writing histograms", lambda: board.write_histograms(histograms(), window.steps[-1]))
+                self._failures.guarded("writing histograms", lambda: board.write_histograms(histograms(), window.steps[-1]))
         for sink in self.callbacks:
-            self._guarded(sink.name, lambda: sink.write(window, alerts, total_alerts, final))
+            self._failures.guarded(sink.name, lambda: sink.write(window, alerts, total_alerts, final))
 
     def close(self) -> None:
         board, self.tensorboard = self.tensorboard, None
         if board is not None:
-            self._guarded("closing the TensorBoard writer", board.close)
+            self._failures.guarded("closing the TensorBoard writer", board.close)
         for sink in self.callbacks:
             sink.close()
