@@ -18,6 +18,7 @@ import numpy as np
 
 from ..alerts import Alert
 from ..flush.window import Window
+from .activations import render_activations
 from .heatmap import GradientFlowHeatmap
 from .scalars import LOG_RMS, PER_STEP_STATS, PREFIX, window_scalars
 
@@ -28,6 +29,7 @@ ALERTS_TAG = f"{PREFIX}/alerts"
 LAYERS_TAG = f"{PREFIX}/layers"  # the monitored layers in module order (layers_markdown)
 HEATMAP_TAG = f"{PREFIX}/gradient_flow"  # the heatmap of windows within the drawing budget
 HEATMAP_ALERTS_TAG = f"{PREFIX}/gradient_flow_at_alerts"  # the heatmap of every window that raised an alert
+ACTIVATIONS_TAG = f"{PREFIX}/layer_outputs"  # the heatmap's companion: each layer's output statistics
 
 
 def _json_comment(label: str, data: Any) -> str:
@@ -217,6 +219,9 @@ class TensorBoardSink:
             # their own, so that each of them stays on the dashboard of a long run.
             name = HEATMAP_ALERTS_TAG if alert_steps else HEATMAP_TAG
             self.writer.add_image(name, image, w.steps[-1], dataformats="HWC")
+            companion = render_activations(w)  # the layers' output statistics, beside it
+            if companion is not None:
+                self.writer.add_image(ACTIVATIONS_TAG, companion, w.steps[-1], dataformats="HWC")
 
     def close(self) -> None:
         """Draw the last window's heatmap if it was not; flush; close the writer only if gradwatch created it."""

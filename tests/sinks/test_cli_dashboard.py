@@ -411,3 +411,40 @@ def test_heatmap_budget_draws_again_once_a_drawing_is_one_percent_of_the_time():
     with tempfile.TemporaryDirectory() as tmp:
         steps = _heatmap_steps(tmp, budget=None, steps=260, step_seconds=1e-2)
     assert steps == [1, 3, 103, 205, 259]
+
+
+def test_the_heatmaps_companion_image_shows_each_layers_output_statistics(tmp_path):
+    # Drawn with the heatmap, under gradwatch/layer_outputs: one bar per layer and statistic, the
+    # window's mean over its sampled steps (a layer with half its outputs exactly zero shows 0.5).
+    import glob
+
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch import nn
+
+    from gradwatch import GradMonitor
+    from gradwatch.sinks.activations import window_means
+
+    pytest.importorskip("matplotlib")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+    with torch.no_grad():
+        model[2].weight[:8].zero_()
+        model[2].bias[:8].zero_()
+    outputs = []
+    model[2].register_forward_hook(lambda m, a, o: outputs.append(o.detach()))
+    monitor = GradMonitor(model, flush_every=5, detail="full", logdir=str(tmp_path))
+    for _ in range(5):
+        model(torch.randn(4, 8)).sum().backward()
+        monitor.step()
+        model.zero_grad()
+    monitor.close()
+    means = window_means(monitor.last_window)
+    expected = float(torch.stack([(o == 0).double().mean() for o in outputs]).mean())
+    assert means["act_zero_fraction"][1] == pytest.approx(expected) == pytest.approx(0.5)
+    files = glob.glob(str(tmp_path / "events.out.tfevents.*"))
+    acc = EventAccumulator(files[0], size_guidance={"images": 0})
+    acc.Reload()
+    assert "gradwatch/layer_outputs" in acc.Tags()["images"]
+    image = acc.Images("gradwatch/layer_outputs")[-1]
+    assert image.step == 4 and image.width == 360 and image.height > 100
