@@ -177,9 +177,10 @@ def scaler_scale(scaler: Any) -> Any:
     return torch.tensor(float(scaler.get_scale()))
 
 
-def scaler_unscaled(scaler: Any, optimizer: Any) -> bool | None:
+def scaler_unscaled(scaler: Any, optimizer: Any = None) -> bool | None:
     """Whether ``scaler.unscale_(optimizer)`` ran for this step (``GradScaler._per_optimizer_states``
-    stage UNSCALED; an optimizer the scaler has not seen this step is not unscaled); None when this
+    stage UNSCALED, or STEPPED: ``scaler.step`` unscales first; an optimizer the scaler has not seen
+    this step is not unscaled). ``optimizer=None``: whether any optimizer was. None when this
     torch's GradScaler has no such field (one WARNING)."""
     states = getattr(scaler, "_per_optimizer_states", None)
     if not isinstance(states, dict):
@@ -187,5 +188,8 @@ def scaler_unscaled(scaler: Any, optimizer: Any) -> bool | None:
             "_per_optimizer_states", "gradwatch cannot tell whether gradients were unscaled and takes them as unscaled"
         )
         return None
+    done = ("UNSCALED", "STEPPED")
+    if optimizer is None:
+        return any(getattr(state.get("stage"), "name", "") in done for state in states.values())
     state = states.get(id(getattr(optimizer, "optimizer", optimizer))) or {}
-    return getattr(state.get("stage"), "name", "") == "UNSCALED"
+    return getattr(state.get("stage"), "name", "") in done

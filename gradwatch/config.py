@@ -58,6 +58,9 @@ class HealthConfig:
     update_ratio_min_weight_rms: float = 1e-3
     #: While a condition persists it is logged again every this many flushes (0: never).
     remind_every: int = 10
+    #: A GradScaler that skips this many optimizer steps in a row (non-finite gradients that do
+    #: not go away as its scale falls; a recalibration skips a handful) raises ``nonfinite``.
+    scaler_skips_max: int = 25
     #: Alert kinds that stop training (GradMonitor raises GradientHealthError).
     stop_on: frozenset[str] = field(default_factory=frozenset)
 
@@ -99,7 +102,8 @@ class HealthConfig:
         finite_positive("update_ratio_max")
         finite_positive("update_ratio_min_weight_rms", allow_zero=True)
         counts = {"update_ratio_steps": 1, "recovery_flushes": 1, "exploding_warmup_steps": 0,
-                  "dead_min_units": 0, "dead_min_samples": 0, "remind_every": 0}  # name: minimum
+                  "dead_min_units": 0, "dead_min_samples": 0, "remind_every": 0,
+                  "scaler_skips_max": 1}  # name: minimum
         for name, minimum in counts.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:

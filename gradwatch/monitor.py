@@ -73,7 +73,8 @@ class GradMonitor:
         self.config = config = check_settings(flush_every, config, detail)
         check_outputs(logdir, writer, scaler, sync_dist)
         self.flush_every, self.detail, self.histograms = flush_every, detail, bool(histograms)
-        self._scaler = scaler
+        self._scaler, self._optimizer = scaler, optimizer
+        self._warned_scaled = self._warned_order = False
         self._closed = True  # until attached: close() and __del__ have nothing to undo
         self._next_step = 0
         model = _compat.unwrap(model)  # torch.compile(model): hooks and names on the model the user wrote
@@ -197,6 +198,14 @@ class GradMonitor:
             raise RuntimeError("this GradMonitor is closed; create a new one to keep monitoring")
         global_step = check_step_number(global_step)
         step = self._next_step if global_step is None else global_step
+        if step < self._next_step and not self._warned_order:  # a repeated or decreasing step number
+            self._warned_order = True
+            log.warning(
+                "gradwatch: step(%d) after step(%d): step numbers must grow (records at one step merge in "
+                "TensorBoard and trackers); pass the optimizer step, e.g. trainer.global_step", step, self._next_step - 1,
+            )  # fmt: skip
+        if not grads_scaled and self._scaler is not None:
+            grads_scaled = self._still_scaled()
         try:
             self._recorder.record_step(params_scaled=grads_scaled)
         except ModelMoved as exc:  # the row is marked failed, nothing more is recorded
@@ -255,6 +264,20 @@ class GradMonitor:
         if stopping:
             raise GradientHealthError(stopping)
         return new
+
+    def _still_scaled(self) -> bool:
+        """step() before ``scaler.unscale_``: the gradients still carry the loss scale. Read from the
+        scaler's state (no sync); recorded unscaled, and said once."""
+        if not self._scaler.is_enabled() or _compat.scaler_unscaled(self._scaler, self._optimizer) is not False:
+            return False
+        if not self._warned_scaled:
+            self._warned_scaled = True
+            log.info(
+                "gradwatch: step() was called before scaler.unscale_(optimizer), so the gradients still carry "
+                "the loss scale; gradwatch divides them by it. Call monitor.step() after scaler.unscale_ to "
+                "see the gradients exactly as the optimizer will"
+            )
+        return True
 
     def _share_dashboard(self, layers: list[str], writes_layout: bool) -> None:
         """One of several monitors of one model on one writer (one per optimizer): the dashboard

@@ -257,3 +257,19 @@ def test_help_of_the_public_classes_lists_every_argument():
                 assert f"{name}:" in doc or f"{name} " in doc or f"/ {name}" in doc, (cls.__name__, name)
     assert "Args:" in inspect.getdoc(GradMonitor) and "Raises:" in inspect.getdoc(GradMonitor)
     assert inspect.getdoc(HealthConfig).count("\n") > 10  # every threshold documented
+
+
+def test_step_numbers_that_do_not_grow_warn_once_and_bad_types_are_a_type_error(caplog):
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    monitor = GradMonitor(model, flush_every=10)
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        for step in (5, 6, 6, 3, 7):
+            model(torch.randn(2, 3)).sum().backward()
+            monitor.step(step)
+            model.zero_grad()
+    assert sum("step numbers must grow" in r.getMessage() for r in caplog.records) == 1
+    for bad in ("abc", 2.5, True):
+        with pytest.raises(TypeError, match="step\\(global_step\\) takes an int"):
+            monitor.step(bad)
+    monitor.step(torch.tensor(8))  # an integer tensor is its value
+    monitor.close()

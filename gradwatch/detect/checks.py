@@ -60,11 +60,12 @@ class HealthChecks:
         self.config, self.layers = config, layers
         #: the model-level exploding check runs at every step (judge_step) instead of at the flush
         self.model_per_step = False
-        self._model_exploded = False  # the per-step check found the model exploding since the last flush
+        self._model_exploded: Finding | None = None  # the per-step check's latest exploding finding since the flush
         self.exploding = ExplodingRule(config, len(layers) + 1)  # the last column: the model
         self.vanishing = VanishingRule(config, layers, normalised_steps)
         self.dead = DeadUnitsRule(config, layers)
         self.update_ratio = UpdateRatioRule(config, layers)
+        self.scaler_skips = nonfinite.ScalerSkips(config.scaler_skips_max, layers)
         self.steps_seen = 0
         self.skipped_steps = 0
 
@@ -89,6 +90,13 @@ class HealthChecks:
             vanishing = self.vanishing.judge(w, valid, result.clear)
         dead = self.dead.judge(w, result.clear)
         root_causes(result, vanishing, dead, forward_order(w), w, self.dead)
+        if not self.model_per_step:  # persistent GradScaler skips, judged here when not at every step
+            self._scaler_skips(w, skipped, result)
+        skips = self.scaler_skips
+        if skips.streak >= skips.limit and skips.first_origin is not None:  # still skipping: still present
+            result.findings.append(Finding("nonfinite", skips.first_origin.layer, w.steps[-1], float(skips.streak),
+                                           float(skips.limit), "the GradScaler is still skipping every step"))
+            result.clear.discard(("nonfinite", ""))
         n_skipped = int(skipped.sum())
         if n_skipped:
             self.skipped_steps += n_skipped
@@ -103,14 +111,29 @@ class HealthChecks:
         """The per-step checks (``nonfinite``, model-level ``exploding``) on one step's summary
         (``flush.readback.StepSummary``), judged as soon as the step's values are on the host."""
         findings: list[Finding] = []
-        if s.any_bad and not (scaler_in_use and not s.fwd_bad.any()):  # else a GradScaler skip, said at the flush
+        skip = bool(s.any_bad and scaler_in_use and not s.fwd_bad.any())  # a GradScaler skip: its calibration
+        if s.any_bad and not skip:
             findings.append(nonfinite.nonfinite_finding(self.layers, step, s.fwd_bad, s.grad_bad, order, s.count))
+        if scaler_in_use and (skip or s.has_grad):
+            persistent = self.scaler_skips.step(step, skip, s.grad_bad, order, s.count)
+            if persistent is not None:
+                findings.append(persistent)
         if self.model_per_step and s.has_grad:
             finding = self.exploding.judge_step(step, s.global_norm, len(self.layers), "")
             if finding is not None:
-                self._model_exploded = True
+                self._model_exploded = finding
                 findings.append(finding)
         return findings
+
+    def _scaler_skips(self, w: Window, skipped: np.ndarray, result: Assessment) -> None:
+        if w.skipped is None:
+            return
+        grad_bad = (w.nonfinite > 0) | (w.has_grad & ~np.isfinite(w.grad_norm))
+        for t, step in enumerate(w.steps):
+            order = w.step_orders[t][0] if t < len(w.step_orders) else []
+            finding = self.scaler_skips.step(step, bool(skipped[t]), grad_bad[t], order, float(np.nansum(w.nonfinite[t])))
+            if finding is not None:
+                result.findings.append(finding)
 
     def _exploding(self, w: Window, valid: np.ndarray, result: Assessment) -> None:
         norms = np.where(valid, w.grad_norm, np.nan)
@@ -123,11 +146,12 @@ class HealthChecks:
         findings, calm = self.exploding.judge_window(table, w.steps, columns, names)
         result.clear.update(("exploding", names[c]) for c, ok in zip(columns, calm) if ok)
         if self.model_per_step:  # the model was judged at every step: its onset is already raised
-            if self._model_exploded:
-                findings.append(Finding("exploding", "", w.steps[-1], float("nan"), 0.0, "judged at its step"))
+            last = self._model_exploded
+            if last is not None:  # the latest exploded step's own numbers
+                findings.append(Finding("exploding", "", last.step, last.value, last.threshold, last.detail))
             elif np.isfinite(glob).any():
                 result.clear.add(("exploding", ""))
-            self._model_exploded = False
+            self._model_exploded = None
         # When the whole model explodes, one alert for the model, not one per layer.
         layer_hits = [f for f in findings if f.layer]
         model_hit = [f for f in findings if not f.layer]
@@ -142,6 +166,7 @@ class HealthChecks:
             "layers": list(self.layers), **self.exploding.state_dict(), **self.vanishing.state_dict(),
             **self.dead.state_dict(), **self.update_ratio.state_dict(), "steps_seen": self.steps_seen,
             "model_steps": int(self.exploding.judged[-1]), "skipped_steps": self.skipped_steps,
+            **self.scaler_skips.state_dict(),
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -153,4 +178,5 @@ class HealthChecks:
         self.vanishing.load_state_dict(state, saved)
         self.dead.load_state_dict(state)
         self.update_ratio.load_state_dict(state)
+        self.scaler_skips.load_state_dict(state)
         self.skipped_steps = int(state.get("skipped_steps", 0))

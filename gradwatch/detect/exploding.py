@@ -26,6 +26,9 @@ from .serial import by_name, columns_from, nullable
 
 RECENT_STEPS = 10
 LEVEL_STEPS = 50
+#: A column exploded at this many steps in a row has changed scale for good (a loss weight raised,
+#: a new phase): its recent exploded values become its level, so the new scale is judged from then on.
+RELEARN_STEPS = LEVEL_STEPS
 
 
 @dataclass
@@ -54,6 +57,8 @@ class ExplodingRule:
         self.recent_slot = np.zeros(columns, dtype=np.int64)
         self.last_calm = np.full(columns, np.nan)
         self.judged = np.zeros(columns, dtype=np.int64)  # steps judged per column (the warm-up)
+        self.exploded_streak = np.zeros(columns, dtype=np.int64)  # steps in a row above a ceiling
+        self.exploded_recent = np.full((RECENT_STEPS, columns), np.nan)  # their latest values
 
     def judge_row(self, row: np.ndarray, cols: np.ndarray) -> RowVerdict:
         """Judge one step's values ``row`` of columns ``cols`` (NaN: no value), and move the rings
@@ -88,6 +93,7 @@ class ExplodingRule:
                 base = float(threshold[k]) / cfg.exploding_factor
                 why.append(f"{value / base:.3g}x its recent level {base:.4g}")
         self._remember(row, cols, np.isfinite(row) & ~over)
+        self._relearn(row, cols, np.isfinite(row) & over)
         self.judged[cols] += 1
         return RowVerdict(over, threshold, why)
 
@@ -101,6 +107,25 @@ class ExplodingRule:
         self.level[self.level_slot[c], c] = values
         self.level_slot[c] = (self.level_slot[c] + 1) % LEVEL_STEPS
         self.last_calm[c] = values
+
+    def _relearn(self, row: np.ndarray, cols: np.ndarray, exploded: np.ndarray) -> None:
+        """Count exploded steps in a row; after RELEARN_STEPS, take the latest ones as the new level."""
+        self.exploded_streak[cols] = np.where(exploded, self.exploded_streak[cols] + 1, 0)
+        if not exploded.any():
+            return
+        c = cols[exploded]
+        slot = self.exploded_streak[c] % RECENT_STEPS
+        self.exploded_recent[slot, c] = row[exploded]
+        settled = c[self.exploded_streak[c] >= RELEARN_STEPS]
+        if len(settled):
+            latest = self.exploded_recent[:, settled]
+            self.recent[:, settled] = latest
+            self.level[:, settled] = np.nan
+            self.level[:RECENT_STEPS, settled] = latest
+            self.recent_slot[settled] = 0
+            self.level_slot[settled] = RECENT_STEPS % LEVEL_STEPS
+            self.last_calm[settled] = row[exploded][self.exploded_streak[c] >= RELEARN_STEPS]
+            self.exploded_streak[settled] = 0
 
     def judge_step(self, step: int, value: float, col: int, name: str) -> Finding | None:
         """The per-step judgement of one column (the model's global norm); None when calm."""

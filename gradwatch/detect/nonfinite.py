@@ -10,6 +10,45 @@ from ..alerts import Finding
 from ..flush.window import Window
 
 
+class ScalerSkips:
+    """Consecutive optimizer steps a GradScaler skipped (non-finite gradients): normal calibration
+    while it recovers, a ``nonfinite`` alert once ``limit`` steps in a row were skipped (the scale
+    fell by 2**limit and the gradients are still not finite: the NaN is real).
+
+    Args:
+        limit: ``HealthConfig.scaler_skips_max``.
+        layers: the layer names.
+    """
+
+    def __init__(self, limit: int, layers: list[str]) -> None:
+        self.limit, self.layers = limit, layers
+        self.streak = 0
+        self.first_origin: Finding | None = None  # the first skipped step of the streak, named at its origin
+
+    def step(self, step: int, skipped: bool, grad_bad: np.ndarray, order: list[int], count: float) -> Finding | None:
+        """One optimizer step; the finding when this step makes the streak reach the limit."""
+        if not skipped:
+            self.streak, self.first_origin = 0, None
+            return None
+        self.streak += 1
+        if self.first_origin is None:
+            self.first_origin = nonfinite_finding(self.layers, step, np.zeros_like(grad_bad), grad_bad, order, count)
+        if self.streak != self.limit:
+            return None
+        origin = self.first_origin
+        return Finding(
+            "nonfinite", origin.layer, step, float(self.streak), float(self.limit),
+            f"the GradScaler skipped {self.streak} optimizer steps in a row (its scale fell by 2^{self.streak} and "
+            f"the gradients stayed non-finite: not a calibration); first at step {origin.step}, {origin.detail}",
+        )  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler_skip_streak": self.streak}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.streak = int(state.get("scaler_skip_streak", 0))
+
+
 def judge_window(w: Window, skipped: np.ndarray, layers: list[str], result: Any) -> None:
     """The window's first step with a non-finite value (not a GradScaler skip), as one finding; else
     every layer is clear."""

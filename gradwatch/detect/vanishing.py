@@ -15,6 +15,9 @@ from .serial import by_name, columns_from, nullable
 HISTORY_STEPS = 20  # the median is over a layer's last HISTORY_STEPS steps
 MIN_STEPS = 5  # ... and needs at least MIN_STEPS of them
 CLEAR = 10.0  # clearly healthy: one decade above the thresholds
+#: A collapse against a layer's own level counts only when the layer fell this much further than the
+#: layer that fell least: every layer falling together is the model converging, not a cut path.
+TOGETHER = 1e-3
 
 
 class VanishingRule:
@@ -64,7 +67,9 @@ class VanishingRule:
             below_abs = med_rms < cfg.vanishing_abs_rms
             clear_abs = med_rms >= CLEAR * cfg.vanishing_abs_rms
             peak = self.rms_peak
-            collapsed = np.isfinite(peak) & (peak > 0) & (med_rms < cfg.vanishing_rel_rms * peak)
+            drop = np.where(np.isfinite(peak) & (peak > 0), med_rms / peak, np.nan)
+            least = np.nanmax(drop, initial=-np.inf, where=~np.isnan(drop))  # the layer that fell least
+            collapsed = (drop < cfg.vanishing_rel_rms) & (drop < TOGETHER * least)
             clear_own = ~(med_rms < CLEAR * cfg.vanishing_rel_rms * peak)
             self.rms_peak = np.where(np.isfinite(med_rms), np.fmax(peak, med_rms), peak)
             if self.normalised_steps:
@@ -75,17 +80,22 @@ class VanishingRule:
         seen = valid.any(axis=0)  # only layers with a gradient in this window (frozen ones never vanish)
         findings = []
         for i in np.flatnonzero((below_abs | below_rel | collapsed) & seen):
+            # value and threshold are the quantity the rule compared: an RMS, or a ratio of RMS
             if med_rms[i] <= 0 or not np.isfinite(med_ratio[i]):
-                detail = "its gradient is zero"
-            elif below_abs[i] or below_rel[i]:
-                detail = f"median gradient RMS {med_rms[i]:.3g} over its last steps is {med_ratio[i]:.3g} of the strongest layer's"
+                value, threshold, detail = 0.0, cfg.vanishing_abs_rms, "its gradient is zero"
+            elif below_abs[i]:
+                value, threshold = float(med_rms[i]), cfg.vanishing_abs_rms
+                detail = f"median gradient RMS {med_rms[i]:.3g} over its last steps"
+            elif below_rel[i]:
+                value, threshold = float(med_ratio[i]), cfg.vanishing_rel_rms
+                detail = f"median gradient RMS {med_rms[i]:.3g} over its last steps, as a fraction of the strongest layer's"
             else:
-                detail = f"median gradient RMS {med_rms[i]:.3g} over its last steps is {med_rms[i] / peak[i]:.3g} of its own earlier level {peak[i]:.3g}"
+                value, threshold = float(drop[i]), cfg.vanishing_rel_rms
+                detail = (f"median gradient RMS {med_rms[i]:.3g} over its last steps, as a fraction of its own earlier "
+                          f"level {peak[i]:.3g}, while other layers kept theirs")  # fmt: skip
             if self.normalised_steps and below_abs[i]:
                 detail += "; below what the optimizer's normalised step can use"
-            relative = not below_abs[i] and not (self.normalised_steps and not collapsed[i])
-            threshold = cfg.vanishing_rel_rms if relative else cfg.vanishing_abs_rms
-            findings.append(Finding("vanishing", self.layers[i], w.steps[-1], float(med_rms[i]), threshold, detail))
+            findings.append(Finding("vanishing", self.layers[i], w.steps[-1], value, threshold, detail))
         clear.update(("vanishing", self.layers[i]) for i in np.flatnonzero(clear_abs & clear_rel & clear_own & seen))
         return findings
 

@@ -47,8 +47,11 @@ def _parameter_statistics(host: dict[str, np.ndarray], n: int, layout: Layout, o
         return _per_layer(values, layout.param_layer, len(layout.names), how)
 
     with np.errstate(invalid="ignore"):
-        has_grad = (per_layer(present.astype(np.float64), "sum") > 0) & ok[:, None]
         sumsq = per_layer(np.where(present, host[PARAM_SQ][:n], 0.0), "sum")
+        # A layer that was not called at a step gives no sample there, whatever zero_grad left in
+        # its .grad (set_to_none=False keeps zeros: an idle expert is not "vanishing").
+        idle = (sumsq == 0) & ~_called(host[FWD_SUM][:n], host[FWD_ORDER][:n])
+        has_grad = (per_layer(present.astype(np.float64), "sum") > 0) & ok[:, None] & ~idle
         grad_norm = np.where(has_grad, np.sqrt(sumsq), np.nan)
         max_t = np.where(present, host[PARAM_MAX][:n], -np.inf)
         grad_max = np.where(has_grad & sampled[:, None], per_layer(max_t, "max"), np.nan)
@@ -61,6 +64,15 @@ def _parameter_statistics(host: dict[str, np.ndarray], n: int, layout: Layout, o
     counted = sampled | layout.counts_every_step
     return {"grad_norm": grad_norm, "grad_max": grad_max, "nonfinite": nonfinite, "has_grad": has_grad,
             "global_grad_norm": global_norm, "nonfinite_counted": counted.copy()}  # fmt: skip
+
+
+def _called(running_sums: np.ndarray, first_calls: np.ndarray) -> np.ndarray:
+    """[step, layer] whether the layer ran at each step: exactly on sampled steps (the forward
+    clock of its first call), else from the forward check's running sums over the window (a call
+    adds its output's sum, so a step that changed nothing had no call; an output summing to
+    exactly 0.0 on an unsampled step reads as no call: only its zero gradient is left out)."""
+    previous = np.vstack([np.zeros((1, running_sums.shape[1])), running_sums[:-1]])
+    return (running_sums != previous) | (first_calls > 0)  # NaN != NaN: a non-finite output is a call
 
 
 def _output_statistics(host: dict[str, np.ndarray], n: int, layout: Layout, ok: np.ndarray, sampled: np.ndarray,

@@ -1,0 +1,198 @@
+"""GradScaler setups users run: persistent skips are a real NaN, a recalibration is not, and step()
+before unscale_ is recorded unscaled (references: the test's own p.grad and scale)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from gradwatch import GradientHealthError, GradMonitor, HealthConfig
+
+
+class _SqrtNet(nn.Module):
+    """sqrt of a ReLU output: a NaN gradient in ``fc1`` at every step where an input unit is exactly 0."""
+
+    def __init__(self, broken_steps: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 1)
+        self.broken_steps, self.calls = broken_steps, 0
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.calls < self.broken_steps:
+            h = torch.sqrt(torch.relu(h) * 0.0)  # d sqrt(0) = inf, times 0 = NaN in fc1's gradient
+        self.calls += 1
+        return self.fc2(h)
+
+
+def _train(model, monitor, scaler, opt, steps):
+    alerts, skipped = [], 0
+    for _ in range(steps):
+        loss = model(torch.randn(6, 4)).square().mean()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        before = scaler.get_scale()
+        alerts += monitor.step()
+        scaler.step(opt)
+        scaler.update()
+        skipped += scaler.get_scale() < before
+        opt.zero_grad()
+    return alerts, skipped
+
+
+def test_a_scaler_that_keeps_skipping_is_a_nonfinite_alert_naming_the_layer():
+    torch.manual_seed(0)
+    model = _SqrtNet(broken_steps=10**9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    config = HealthConfig(scaler_skips_max=25)
+    monitor = GradMonitor(model, scaler=scaler, flush_every=10, config=config)
+    alerts, skipped = _train(model, monitor, scaler, opt, 40)
+    monitor.close()
+    assert skipped == 40  # every step was skipped: the model never trained
+    found = [a for a in alerts if a.kind == "nonfinite"]
+    assert len(found) == 1, [a.message for a in alerts]
+    assert found[0].layer == "fc1" and found[0].step == 24  # the 25th skip in a row
+    assert found[0].value == 25 and found[0].threshold == 25  # the same quantity: skips in a row
+
+
+def test_stop_on_acts_on_persistent_skips():
+    torch.manual_seed(0)
+    model = _SqrtNet(broken_steps=10**9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    config = HealthConfig(scaler_skips_max=5, stop_on={"nonfinite"})
+    monitor = GradMonitor(model, scaler=scaler, flush_every=50, config=config)
+    with pytest.raises(GradientHealthError, match="skipped 5 optimizer steps in a row"):
+        _train(model, monitor, scaler, opt, 20)
+    monitor.close()
+
+
+def test_a_scaler_that_recalibrates_raises_nothing(caplog):
+    # Skips while the scale falls, then training goes on: an INFO count, no alert.
+    torch.manual_seed(0)
+    model = _SqrtNet(broken_steps=6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    monitor = GradMonitor(model, scaler=scaler, flush_every=10)
+    with caplog.at_level(logging.INFO, logger="gradwatch"):
+        alerts, skipped = _train(model, monitor, scaler, opt, 40)
+        monitor.close()
+    assert skipped == 6 and alerts == [] and monitor.alerts == []
+    assert any("GradScaler skipped 6 step(s)" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("with_optimizer", [True, False])
+def test_step_before_unscale_is_recorded_unscaled_and_raises_nothing(with_optimizer, caplog):
+    # The ordering mistake: monitor.step() between backward and scaler.unscale_. The gradients
+    # carry the scale (65536): recorded as they will be after unscale_, never "exploding".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    monitor = GradMonitor(model, scaler=scaler, flush_every=5, optimizer=opt if with_optimizer else None,
+                          config=HealthConfig(exploding_abs_norm=1e3), detail="full")  # fmt: skip
+    expected = []
+    with caplog.at_level(logging.INFO, logger="gradwatch"):
+        for _ in range(5):
+            scaler.scale(model(torch.randn(6, 4)).square().mean()).backward()
+            monitor.step()  # before unscale_
+            scale = scaler.get_scale()
+            expected.append(float(torch.cat([p.grad.reshape(-1) for p in model[0].parameters()]).double().norm()) / scale)
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        monitor.close()
+    assert scale == 65536.0
+    w = monitor.last_window
+    assert list(w.grad_norm[:, 0]) == pytest.approx(expected, rel=1e-6)
+    assert monitor.alerts == []
+    assert sum("before scaler.unscale_" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_an_idle_expert_with_zeroed_gradients_is_not_vanishing():
+    # A mixture of experts where expert 3 gets tokens on one step in three, trained with
+    # zero_grad(set_to_none=False): its .grad holds zeros on its idle steps. Those steps give it no
+    # sample (it was not called); the steps it ran are recorded as they are.
+    torch.manual_seed(0)
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Linear(8, 8)
+            self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x, step):
+            h = self.router(x)
+            active = [0, 1, 2] + ([3] if step % 3 == 0 else [])
+            return sum(self.experts[i](h) for i in active)
+
+    model = Experts()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = GradMonitor(model, flush_every=10, optimizer=opt)
+    alerts, ran = [], []
+    for step in range(60):
+        model(torch.randn(4, 8), step).square().mean().backward()
+        ran.append(bool(model.experts[3].weight.grad.abs().sum() > 0))
+        alerts += monitor.step()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    monitor.close()
+    assert [a.message for a in alerts + monitor.alerts] == []
+    w = monitor.last_window
+    idle = [t for t in range(10) if not ran[50 + t]]
+    assert idle and not w.has_grad[idle, 4].any() and w.has_grad[[t for t in range(10) if ran[50 + t]], 4].all()
+
+
+def test_a_converging_fit_is_not_vanishing():
+    # A realizable least-squares fit: the loss falls to ~1e-13 and every layer's gradient with it,
+    # together, decades below its early level. That is convergence, not a cut gradient path.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
+    target = nn.Linear(8, 1)
+    x = torch.randn(64, 8)
+    y = target(x).detach()
+    opt = torch.optim.Adam(model.parameters(), lr=0.03)
+    monitor = GradMonitor(model, flush_every=50, optimizer=opt)
+    alerts, losses = [], []
+    for _ in range(500):
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        losses.append(float(loss))
+        alerts += monitor.step()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    assert min(losses[-100:]) < 1e-9 < losses[0]  # it did converge, far
+    assert monitor._checks.vanishing.rms_peak[0] > 1e5 * monitor.last_window.grad_rms[-1, 0]  # 5 decades down
+    assert [a.message for a in alerts + monitor.alerts] == []
+
+
+def test_a_lasting_change_of_scale_is_learned_and_every_alert_line_has_real_numbers(caplog):
+    # The loss weight x300 from step 300 on: one exploding alert at the change, then the new scale
+    # is the level (recovered within a few windows), and no line says "value nan".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    monitor = GradMonitor(model, flush_every=25, optimizer=opt)
+    alerts = []
+    with caplog.at_level(logging.INFO, logger="gradwatch"):
+        for step in range(600):
+            weight = 300.0 if step >= 300 else 1.0
+            (weight * model(torch.randn(16, 8)).square().mean()).backward()
+            alerts += monitor.step()
+            opt.step()
+            opt.zero_grad()
+        monitor.close()
+    model_alerts = [a for a in alerts + monitor.alerts if a.kind == "exploding" and a.layer == ""]
+    assert model_alerts and all(300 <= a.step < 310 for a in model_alerts), [a.message for a in model_alerts]
+    lines = [r.getMessage() for r in caplog.records]
+    assert not any("value nan" in line for line in lines), [line for line in lines if "nan" in line]
+    # the new scale is the level after 50 exploded steps in a row: recovered within two windows of that
+    # (without relearning, the level creeps up only through the noisy steps under 10x: step 449)
+    recovered = [line for line in lines if "exploding in the whole model recovered by step" in line]
+    assert recovered and int(recovered[0].rsplit(" ", 1)[1]) <= 300 + 50 + 2 * 25, recovered
