@@ -212,6 +212,11 @@ class Recipe:
     labels: str = "teacher"  # teacher | imbalanced | random
     schedule: str = ""  # warmup_cosine | step_decay
     high_start: bool = False  # the head starts 10x too large: gradient norms start high and settle
+    #: the loss weight ramped to x30 over steps 60-99 and kept: a lasting change of scale (an abrupt
+    #: x30 is an exploding gradient at that step, which tests/detect covers)
+    loss_weight_change: bool = False
+    unfreeze_at: int = 0  # the first layer is frozen until this step (gradual unfreezing)
+    scaler: bool = False  # a GradScaler that recalibrates: Inf gradients at steps 0-2, then none
 
 
 HEALTHY = [
@@ -226,6 +231,9 @@ HEALTHY = [
     Recipe("high start that settles, AdamW", "adamw", high_start=True),
     Recipe("layer scale 1e-6, AdamW", "adamw", scale="layer_scale"),
     Recipe("zero-initialised gates, AdamW", "adamw", scale="zero_gate"),
+    Recipe("loss weight ramped to x30 from step 60, Adam", "adam", loss_weight_change=True),
+    Recipe("first layer unfrozen at step 40, AdamW", "adamw", unfreeze_at=40),
+    Recipe("GradScaler that recalibrates, Adam", "adam", scaler=True),
 ]
 _LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
 
@@ -318,6 +326,10 @@ def corpus(seeds_faulty: int = 7, seeds_healthy: int = 6, families: list[str] | 
                 runs.append(Run(name, recipe, seed, flush_every=(10, 25)[seed % 2], kind=kind,
                                 fault_step=50 + (seed * 13) % 30, variant=variant,
                                 duration=4 + (seed * 5) % 16))  # fmt: skip
+        for seed in range(seeds_faulty, seeds_faulty + 2):  # Inf gradients from the fault on, under a GradScaler
+            runs.append(Run(name, Recipe("plain", optimizers[seed % 3], scaler=True), seed,
+                            flush_every=(10, 25)[seed % 2], kind="nonfinite", fault_step=50 + (seed * 13) % 30,
+                            variant="persistent scaler skips"))  # fmt: skip
         for recipe in HEALTHY:
             if recipe.scale and not family.scaled:
                 continue
@@ -382,12 +394,14 @@ class Truth:
         self.ratios.append(ratios)
         self.alive_steps.append({})
 
-    def pathologies(self, window: int = 25) -> list[str]:
-        """What is wrong with a run meant to be healthy, by the same criteria as the faults' ground truth."""
+    def pathologies(self, window: int = 25, recipe: Recipe | None = None) -> list[str]:
+        """What is wrong with a run meant to be healthy, by the same criteria as the faults' ground truth
+        (what the recipe does on purpose excepted: a scaler's Inf steps, a lasting change of scale)."""
         found = []
-        if not all(math.isfinite(v) for v in self.loss + self.global_norm):
+        skip = 3 if recipe is not None and recipe.scaler else 0
+        if not all(math.isfinite(v) for v in self.loss + self.global_norm[skip:]):
             found.append("a non-finite loss or gradient")
-        for t in range(20, len(self.global_norm)):
+        for t in range(20 + skip, len(self.global_norm)):
             level = statistics.median(self.global_norm[t - 20 : t])
             if level > 0 and self.global_norm[t] >= 10 * level:
                 found.append(f"the gradient norm jumped {self.global_norm[t] / level:.0f}x at step {t}")
@@ -430,7 +444,10 @@ def check_fault(run: Run, family: Family, truth: Truth) -> tuple[bool, str, list
         return fraction >= 0.5, f"{fraction:.0%} of its units died, not 50%", [family.dead_layer]
     if run.kind == "nonfinite":
         bad = not math.isfinite(truth.loss[f]) or not math.isfinite(truth.global_norm[f])
-        return bad, "neither the loss nor a gradient was non-finite at the fault step", [family.nan_layer]
+        # persistent skips: Inf from the logits' gradient on, so the first non-finite gradient in
+        # backward order is the last layer's
+        layers = [list(truth.layers)[-1]] if run.variant == "persistent scaler skips" else [family.nan_layer]
+        return bad, "neither the loss nor a gradient was non-finite at the fault step", layers
     if run.kind == "update_ratio":
         layers = []
         for name in truth.layers:
@@ -517,8 +534,13 @@ def execute(run: Run) -> Outcome:
     if run.kind == "nonfinite":
         model.get_submodule(family.nan_layer).register_forward_hook(nan_hook)
 
+    first_layer = next(m for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
+    if recipe.unfreeze_at:
+        first_layer.requires_grad_(False)
+    scaler = torch.amp.GradScaler("cpu") if recipe.scaler else None
+    persistent_skips = run.variant == "persistent scaler skips"
     outcome = Outcome(run.name, run.family, run.kind)
-    monitor = GradMonitor(model, flush_every=run.flush_every, optimizer=opt)
+    monitor = GradMonitor(model, flush_every=run.flush_every, optimizer=opt, scaler=scaler)
     returned: dict[int, int] = {}
     start = time.perf_counter()
     for t in range(STEPS):
@@ -535,15 +557,30 @@ def execute(run: Run) -> Outcome:
                     model.get_submodule(family.dead_layer).bias.fill_(-100.0)
             elif run.kind == "nonfinite":
                 injected["nan_now" if run.variant == "forward NaN" else "inf_now"] = True
+        if recipe.unfreeze_at and t == recipe.unfreeze_at:
+            first_layer.requires_grad_(True)
         x, y = data.batch()
-        loss = nn.functional.cross_entropy(model(x), y)
+        logits = model(x)
+        if scaler is not None and (t < 3 if not persistent_skips else t >= f):  # Inf gradients: the scaler skips
+            logits.register_hook(lambda g: g * float("inf"))
+        loss = nn.functional.cross_entropy(logits, y)
         if run.kind == "exploding" and (t == f or (run.variant == "lasting" and t > f)):
             loss = loss * 1e4
-        loss.backward()
+        if recipe.loss_weight_change and t >= 60:
+            loss = loss * 30.0 ** min(1.0, (t - 60) / 40)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        else:
+            loss.backward()
         truth.after_backward(loss)
         for a in monitor.step():
             returned.setdefault(id(a), t)
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         truth.after_update()
         opt.zero_grad()
         injected["nan_now"] = injected["inf_now"] = False
@@ -556,7 +593,7 @@ def execute(run: Run) -> Outcome:
     peers = peer_alarms(truth.loss, truth.global_norm)
     if run.kind is None:
         outcome.peers = {rule: (steps[0] if steps else None) for rule, steps in peers.items()}
-        wrong = truth.pathologies()
+        wrong = truth.pathologies(recipe=recipe)
         outcome.real = not wrong  # a healthy recipe that is not: listed, not counted
         outcome.why_not_real = "; ".join(wrong[:3])
         return outcome

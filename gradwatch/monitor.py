@@ -11,9 +11,9 @@ from torch import nn
 
 from . import _compat
 from .alerts import Alert, GradientHealthError
-from .capture.attach import build_recorder
+from .capture.attach import build_recorder, build_updates
 from .capture.hooks import HookSet
-from .capture.layers import discover_layers
+from .capture.layers import discover_layers, frozen_layers
 from .capture.param_stats import ModelMoved
 from .capture.watch import ModelWatch
 from .config import HealthConfig
@@ -74,11 +74,13 @@ class GradMonitor:
         check_outputs(logdir, writer, scaler, sync_dist)
         self.flush_every, self.detail, self.histograms = flush_every, detail, bool(histograms)
         self._scaler, self._optimizer = scaler, optimizer
-        self._warned_scaled = self._warned_order = False
+        self._warned_scaled = self._warned_order = self._warned_optimizer = False
+        self._optimizer_steps_seen = 0
         self._closed = True  # until attached: close() and __del__ have nothing to undo
         self._next_step = 0
         model = _compat.unwrap(model)  # torch.compile(model): hooks and names on the model the user wrote
         self._layer_specs = discover_layers(model, include, exclude)  # a TypeError for a non-module
+        self._include, self._exclude = include, exclude
         warn_about_wrappers(model)
         device = self._layer_specs[0].params[0].device
         check_device(device)
@@ -116,7 +118,7 @@ class GradMonitor:
         self._per_step = detection.per_step
         self._alerts_since_flush: list[Alert] = []  # raised by step() since the last flush, for its text
         self._window_steps: list[int] = []
-        self._watch = ModelWatch(recorder)
+        self._watch = ModelWatch(recorder, frozen_layers(model, self._include, self._exclude))
         self.last_window: Window | None = None  # the most recent flushed window
         self._is_writer = is_writer
         self._outputs = Outputs(self._failures, str(logdir) if is_writer and logdir else None, writer if is_writer else None)
@@ -165,6 +167,25 @@ class GradMonitor:
         self._collectives.paused = False
         if not self._closed and not self._watch.stopped:
             self._recorder.active = True
+
+    def set_optimizer(self, optimizer: Any) -> None:
+        """Hand over the optimizer that steps the model from now on (one replaced mid-run), so that
+        ``update_ratio`` follows it.
+
+        Raises:
+            ValueError: the monitor was created without ``optimizer=`` (its buffer has no update
+                states: create the monitor with ``optimizer=``), or the optimizer holds none of the
+                monitored parameters. TypeError: not an optimizer.
+        """
+        if self._updates is None or not self._recorder.layout.track_updates:
+            raise ValueError(
+                "this monitor was created without optimizer=, so it keeps no update_ratio states: close() it "
+                "and create GradMonitor(model, optimizer=...) to measure update_ratio"
+            )
+        new = build_updates(self, self._recorder, optimizer, self.flush_every)  # raises before anything changes
+        self._updates.remove()
+        self._updates, self._optimizer = new, optimizer
+        self._optimizer_steps_seen = 0
 
     def add_alert_callback(self, callback: Callable[[Alert], None]) -> None:
         """Call ``callback(alert)`` for every new alert, on the writing rank (rank 0) only. Every rank
@@ -240,6 +261,8 @@ class GradMonitor:
         if recorder.slot == 0 and not recorder.update_steps:
             return []
         self._watch.check_parameters(self._layer_specs)
+        self._check_optimizer_steps()
+        self._watch.check_unfrozen()
         early = self._judge.finish_window(self._window_steps) if self._per_step else []
         steps, self._window_steps = self._window_steps, []
         try:
@@ -264,6 +287,22 @@ class GradMonitor:
         if stopping:
             raise GradientHealthError(stopping)
         return new
+
+    def _check_optimizer_steps(self) -> None:
+        """Once per flush: the optimizer gradwatch holds made steps in the window (else it was likely
+        replaced: say so once, with the call that hands the new one over)."""
+        updates = self._updates
+        if updates is None or self._warned_optimizer or len(self._window_steps) < self.flush_every:
+            return
+        skipping = self._checks.scaler_skips.streak > 0  # a GradScaler skipping: the optimizer does not step
+        if updates.optimizer_steps == self._optimizer_steps_seen and not skipping:
+            self._warned_optimizer = True
+            log.warning(
+                "gradwatch: the optimizer given to gradwatch made no step in steps %d-%d, so update_ratio is not "
+                "measured; if you replaced it, hand the new one over with monitor.set_optimizer(new_optimizer)",
+                self._window_steps[0], self._window_steps[-1],
+            )  # fmt: skip
+        self._optimizer_steps_seen = updates.optimizer_steps
 
     def _still_scaled(self) -> bool:
         """step() before ``scaler.unscale_``: the gradients still carry the loss scale. Read from the
@@ -316,6 +355,8 @@ class GradMonitor:
         if updates is not None:
             updates.remove()
         self._recorder.drop_references()
+        if getattr(self, "_watch", None) is not None:
+            self._watch.drop_references()
         if outputs is not None:
             outputs.close()
         self._layer_specs = []

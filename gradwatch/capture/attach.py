@@ -29,6 +29,11 @@ def build_recorder(monitor: Any, layers: list[LayerSpec], flush_every: int, devi
     )  # fmt: skip
     if optimizer is None:
         return recorder, None
+    return recorder, build_updates(monitor, recorder, optimizer, flush_every)
+
+
+def build_updates(monitor: Any, recorder: Recorder, optimizer: Any, flush_every: int) -> UpdateRatio:
+    """The update-ratio hooks of ``optimizer``, writing into ``recorder`` (declared with updates)."""
     monitor_ref = weakref.ref(monitor)
 
     def live() -> bool:
@@ -43,10 +48,9 @@ def build_recorder(monitor: Any, layers: list[LayerSpec], flush_every: int, devi
         if live():
             recorder.write_estimate(update_norms, weight_norms)
 
-    updates = UpdateRatio(
+    return UpdateRatio(
         optimizer, recorder.param_stats.params, recorder.param_stats.param_layer, flush_every, write_update,
         recorder.hook_failed, recorder.buffer.dtype, write_estimate=write_estimate,
         sample_columns=recorder.layout.sample_columns,
     )  # fmt: skip
-    return recorder, updates
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -117,6 +118,22 @@ def discover_layers(
     return candidates
 
 
+def frozen_layers(model: nn.Module, include: str | Sequence[str] | None,
+                  exclude: str | Sequence[str] | None) -> list[tuple[str, nn.Module]]:  # fmt: skip
+    """Modules ``include``/``exclude`` select that own parameters none of which requires grad now
+    (frozen at attach): watched so that gradwatch can say when one is unfrozen (gradual unfreezing)."""
+    include_p, exclude_p = _as_patterns(include, "include"), _as_patterns(exclude, "exclude")
+    frozen = []
+    for name, module in compiled.unwrap(model).named_modules():
+        name = compiled.user_name(name) or ROOT_NAME
+        own = list(module.parameters(recurse=False))
+        if not own or any(p.requires_grad for p in own):
+            continue
+        if (include_p is None or _matches(name, include_p)) and not (exclude_p and _matches(name, exclude_p)):
+            frozen.append((name, module))
+    return frozen
+
+
 def declared_units(module: nn.Module, own: Sequence[nn.Parameter] = ()) -> int:
     """The number of output units of ``module`` from its metadata; 0 when unknown.
 
@@ -171,7 +188,8 @@ def _check_patterns(patterns: list[str], names: list[str], arg: str) -> None:
 
 
 def grad_tensors(output: object, _depth: int = 0) -> list[torch.Tensor]:
-    """The floating-point tensors of a module output (tensor, tuple, list, dict, namedtuple), in order."""
+    """The floating-point tensors of a module output (tensor, tuple, list, dict, namedtuple, dataclass,
+    ``ModelOutput``), in order."""
     if isinstance(output, torch.Tensor):
         return [output] if output.is_floating_point() else []
     if _depth > 4:
@@ -182,7 +200,9 @@ def grad_tensors(output: object, _depth: int = 0) -> list[torch.Tensor]:
         values = output
     elif hasattr(output, "to_tuple"):  # Hugging Face ModelOutput
         values = output.to_tuple()
-    else:
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):  # a dataclass output: its fields
+        values = [getattr(output, f.name) for f in dataclasses.fields(output)]
+    else:  # any other object (a cache, a config): never walked into
         return []
     found: list[torch.Tensor] = []
     for item in values:

@@ -17,8 +17,10 @@ class ModelWatch:
         recorder: the recorder to switch off for good.
     """
 
-    def __init__(self, recorder: Any) -> None:
+    def __init__(self, recorder: Any, frozen: list[tuple[str, Any]] | None = None) -> None:
         self.recorder = recorder
+        #: (name, module) of the selected layers frozen at attach (see check_unfrozen)
+        self.frozen = list(frozen or [])
         self.stopped = False  # the model moved or its parameters were replaced: resume() does not undo it
         self._warned_hooks = False
 
@@ -45,6 +47,23 @@ class ModelWatch:
                     "wrapped (or close() this monitor and create a new one). gradwatch stops recording"
                 )
                 return
+
+    def check_unfrozen(self) -> None:
+        """Once per flush: a layer frozen at attach that requires gradients now (gradual unfreezing,
+        LoRA-style toggling) is not monitored; say so once, with the call that takes it in."""
+        unfrozen = [name for name, module in self.frozen if any(p.requires_grad for p in module.parameters(recurse=False))]
+        if not unfrozen:
+            return
+        self.frozen = [(name, module) for name, module in self.frozen if name not in unfrozen]
+        log.warning(
+            "gradwatch: layer(s) %s require gradients now but were frozen when gradwatch attached, so they are "
+            "not monitored; to monitor them, close() this monitor and create a new one after unfreezing (the "
+            "Lightning and Hugging Face callbacks attach anew at the next fit or train())",
+            ", ".join(unfrozen[:8]) + (f", ... ({len(unfrozen) - 8} more)" if len(unfrozen) > 8 else ""),
+        )
+
+    def drop_references(self) -> None:
+        self.frozen = []
 
     def check_hooks_ran(self, window: Any) -> None:
         """Warn once when the layers had gradients but gradwatch's forward hooks never ran: code

@@ -1,5 +1,5 @@
-"""GradScaler setups users run: persistent skips are a real NaN, a recalibration is not, and step()
-before unscale_ is recorded unscaled (references: the test's own p.grad and scale)."""
+"""Setups real runs use (#28): GradScaler skips and ordering, idle experts, convergence, a lasting change of
+scale, dataclass outputs, a replaced optimizer, unfreezing; references are the test's own tensors."""
 
 from __future__ import annotations
 
@@ -196,3 +196,86 @@ def test_a_lasting_change_of_scale_is_learned_and_every_alert_line_has_real_numb
     # (without relearning, the level creeps up only through the noisy steps under 10x: step 449)
     recovered = [line for line in lines if "exploding in the whole model recovered by step" in line]
     assert recovered and int(recovered[0].rsplit(" ", 1)[1]) <= 300 + 50 + 2 * 25, recovered
+
+
+def test_a_layer_returning_a_dataclass_is_tapped():
+    # out_grad_norm of a layer whose output is a dataclass, against the gradient this test retains.
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Out:
+        hidden: torch.Tensor
+        note: str = "not a tensor"
+
+    class Block(nn.Linear):
+        def forward(self, x):
+            return Out(super().forward(x))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block, self.head = Block(4, 6), nn.Linear(6, 1)
+
+        def forward(self, x):
+            out = self.block(x)
+            out.hidden.retain_grad()
+            self.kept = out.hidden
+            return self.head(torch.relu(out.hidden))
+
+    torch.manual_seed(0)
+    model = Net()
+    monitor = GradMonitor(model, flush_every=3, detail="full")
+    expected = []
+    for _ in range(3):
+        model(torch.randn(5, 4)).sum().backward()
+        expected.append(float(model.kept.grad.double().norm()))
+        monitor.step()
+        model.zero_grad()
+    monitor.close()
+    assert list(monitor.last_window.out_grad_norm[:, 0]) == pytest.approx(expected, rel=1e-6)
+
+
+def test_an_optimizer_replaced_mid_run_is_said_and_can_be_handed_over(caplog):
+    # A new optimizer at step 20 (lr 15x higher): gradwatch's optimizer stops stepping, which is said
+    # once with the remedy; after set_optimizer(new), update_ratio is measured on the new one again.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = GradMonitor(model, flush_every=10, optimizer=opt)
+    measured = []
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        for step in range(60):
+            if step == 20:
+                opt = torch.optim.SGD(model.parameters(), lr=0.15)
+            if step == 40:
+                monitor.set_optimizer(opt)
+            model(torch.randn(16, 8)).square().mean().backward()
+            monitor.step()
+            opt.step()
+            opt.zero_grad()
+            if (step + 1) % 10 == 0:
+                measured.append(list(monitor.last_window.update_steps))
+    monitor.close()
+    assert sum("set_optimizer" in r.getMessage() for r in caplog.records) == 1
+    assert measured[2] == [] and measured[3] == []  # steps 20-39: nothing measured
+    assert measured[4] and measured[5]  # measured again once handed over
+    with pytest.raises(ValueError, match="created without optimizer="):
+        GradMonitor(nn.Linear(2, 2)).set_optimizer(opt)
+
+
+def test_a_layer_unfrozen_after_attach_is_said_once(caplog):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    model[2].requires_grad_(False)  # frozen at attach, unfrozen at step 5
+    monitor = GradMonitor(model, flush_every=5)
+    assert monitor.layers == ["0", "4"]
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        for step in range(15):
+            if step == 5:
+                model[2].requires_grad_(True)
+            model(torch.randn(3, 4)).sum().backward()
+            monitor.step()
+            model.zero_grad()
+        monitor.close()
+    said = [r.getMessage() for r in caplog.records if "were frozen when gradwatch attached" in r.getMessage()]
+    assert len(said) == 1 and "layer(s) 2 require" in said[0]
