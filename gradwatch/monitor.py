@@ -74,8 +74,6 @@ class GradMonitor:
         check_outputs(logdir, writer, scaler, sync_dist)
         self.flush_every, self.detail, self.histograms = flush_every, detail, bool(histograms)
         self._scaler, self._optimizer = scaler, optimizer
-        self._warned_scaled = self._warned_order = self._warned_optimizer = False
-        self._optimizer_steps_seen = 0
         self._closed = True  # until attached: close() and __del__ have nothing to undo
         self._next_step = 0
         model = _compat.unwrap(model)  # torch.compile(model): hooks and names on the model the user wrote
@@ -185,7 +183,7 @@ class GradMonitor:
         new = build_updates(self, self._recorder, optimizer, self.flush_every)  # raises before anything changes
         self._updates.remove()
         self._updates, self._optimizer = new, optimizer
-        self._optimizer_steps_seen = 0
+        self._watch.optimizer_steps_seen = 0
 
     def add_alert_callback(self, callback: Callable[[Alert], None]) -> None:
         """Call ``callback(alert)`` for every new alert, on the writing rank (rank 0) only. Every rank
@@ -219,14 +217,9 @@ class GradMonitor:
             raise RuntimeError("this GradMonitor is closed; create a new one to keep monitoring")
         global_step = check_step_number(global_step)
         step = self._next_step if global_step is None else global_step
-        if step < self._next_step and not self._warned_order:  # a repeated or decreasing step number
-            self._warned_order = True
-            log.warning(
-                "gradwatch: step(%d) after step(%d): step numbers must grow (records at one step merge in "
-                "TensorBoard and trackers); pass the optimizer step, e.g. trainer.global_step", step, self._next_step - 1,
-            )  # fmt: skip
+        self._watch.check_step_number(step, self._next_step)
         if not grads_scaled and self._scaler is not None:
-            grads_scaled = self._still_scaled()
+            grads_scaled = self._watch.still_scaled(self._scaler, self._optimizer)
         try:
             self._recorder.record_step(params_scaled=grads_scaled)
         except ModelMoved as exc:  # the row is marked failed, nothing more is recorded
@@ -261,7 +254,8 @@ class GradMonitor:
         if recorder.slot == 0 and not recorder.update_steps:
             return []
         self._watch.check_parameters(self._layer_specs)
-        self._check_optimizer_steps()
+        skipping = self._checks.scaler_skips.streak > 0  # a GradScaler skipping: the optimizer does not step
+        self._watch.check_optimizer_steps(self._updates, self._window_steps, self.flush_every, skipping)
         self._watch.check_unfrozen()
         early = self._judge.finish_window(self._window_steps) if self._per_step else []
         steps, self._window_steps = self._window_steps, []
@@ -287,36 +281,6 @@ class GradMonitor:
         if stopping:
             raise GradientHealthError(stopping)
         return new
-
-    def _check_optimizer_steps(self) -> None:
-        """Once per flush: the optimizer gradwatch holds made steps in the window (else it was likely
-        replaced: say so once, with the call that hands the new one over)."""
-        updates = self._updates
-        if updates is None or self._warned_optimizer or len(self._window_steps) < self.flush_every:
-            return
-        skipping = self._checks.scaler_skips.streak > 0  # a GradScaler skipping: the optimizer does not step
-        if updates.optimizer_steps == self._optimizer_steps_seen and not skipping:
-            self._warned_optimizer = True
-            log.warning(
-                "gradwatch: the optimizer given to gradwatch made no step in steps %d-%d, so update_ratio is not "
-                "measured; if you replaced it, hand the new one over with monitor.set_optimizer(new_optimizer)",
-                self._window_steps[0], self._window_steps[-1],
-            )  # fmt: skip
-        self._optimizer_steps_seen = updates.optimizer_steps
-
-    def _still_scaled(self) -> bool:
-        """step() before ``scaler.unscale_``: the gradients still carry the loss scale. Read from the
-        scaler's state (no sync); recorded unscaled, and said once."""
-        if not self._scaler.is_enabled() or _compat.scaler_unscaled(self._scaler, self._optimizer) is not False:
-            return False
-        if not self._warned_scaled:
-            self._warned_scaled = True
-            log.info(
-                "gradwatch: step() was called before scaler.unscale_(optimizer), so the gradients still carry "
-                "the loss scale; gradwatch divides them by it. Call monitor.step() after scaler.unscale_ to "
-                "see the gradients exactly as the optimizer will"
-            )
-        return True
 
     def _share_dashboard(self, layers: list[str], writes_layout: bool) -> None:
         """One of several monitors of one model on one writer (one per optimizer): the dashboard

@@ -1,4 +1,5 @@
-"""The model changing under the monitor: parameters replaced or moved, hooks that never ran."""
+"""The model and the run changing under the monitor: parameters replaced, moved or unfrozen, hooks that
+never ran, an optimizer that stopped stepping, step numbers that do not grow, gradients still scaled."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ class ModelWatch:
         self.frozen = list(frozen or [])
         self.stopped = False  # the model moved or its parameters were replaced: resume() does not undo it
         self._warned_hooks = False
+        self._warned: set[str] = set()  # the one-time messages already said
+        self.optimizer_steps_seen = 0
 
     def stop_recording(self, reason: str) -> None:
         """Stop recording for good, and say why once, as an ERROR."""
@@ -81,3 +84,45 @@ class ModelWatch:
                 "compiling (or before the first compiled call), or call torch.compiler.reset() after creating it",
                 window.steps[0], window.steps[-1],
             )  # fmt: skip
+
+    def _once(self, key: str) -> bool:
+        if key in self._warned:
+            return False
+        self._warned.add(key)
+        return True
+
+    def check_step_number(self, step: int, next_step: int) -> None:
+        """A repeated or decreasing step number merges records: said once."""
+        if step < next_step and self._once("order"):
+            log.warning(
+                "gradwatch: step(%d) after step(%d): step numbers must grow (records at one step merge in "
+                "TensorBoard and trackers); pass the optimizer step, e.g. trainer.global_step", step, next_step - 1,
+            )  # fmt: skip
+
+    def still_scaled(self, scaler: Any, optimizer: Any) -> bool:
+        """step() before ``scaler.unscale_``: the gradients still carry the loss scale. Read from the
+        scaler's state (no sync); they are then recorded unscaled, and that is said once."""
+        from .. import _compat
+
+        if not scaler.is_enabled() or _compat.scaler_unscaled(scaler, optimizer) is not False:
+            return False
+        if self._once("scaled"):
+            log.info(
+                "gradwatch: step() was called before scaler.unscale_(optimizer), so the gradients still carry "
+                "the loss scale; gradwatch divides them by it. Call monitor.step() after scaler.unscale_ to "
+                "see the gradients exactly as the optimizer will"
+            )
+        return True
+
+    def check_optimizer_steps(self, updates: Any, steps: list[int], flush_every: int, skipping: bool) -> None:
+        """Once per full window: the optimizer gradwatch holds made steps in it (else it was likely
+        replaced: said once, with the call that hands the new one over)."""
+        if updates is None or len(steps) < flush_every or "optimizer" in self._warned:
+            return
+        if updates.optimizer_steps == self.optimizer_steps_seen and not skipping and self._once("optimizer"):
+            log.warning(
+                "gradwatch: the optimizer given to gradwatch made no step in steps %d-%d, so update_ratio is not "
+                "measured; if you replaced it, hand the new one over with monitor.set_optimizer(new_optimizer)",
+                steps[0], steps[-1],
+            )  # fmt: skip
+        self.optimizer_steps_seen = updates.optimizer_steps

@@ -100,6 +100,7 @@ def test_statistics_are_of_the_gradients_before_clipping_at_the_trainers_steps(t
     assert "clip_grad_norm_" not in trainer.accelerator.__dict__  # and the wrapper too
 
 
+@pytest.mark.slow
 def test_torch_compile_records_every_statistic(tmp_path):
     import torch._dynamo
 
@@ -208,6 +209,7 @@ def test_import_gradwatch_imports_neither_transformers_nor_lightning():
     assert out.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_torchrun_two_cpu_processes_rank_zero_writes(tmp_path):
     import json
     import subprocess

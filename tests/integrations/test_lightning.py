@@ -133,6 +133,7 @@ def test_pytorch_lightning_trainer_is_served_too(tmp_path):
     assert sorted(read_scalars(str(tmp_path / "pl"))["gradwatch/grad_norm/net.0"]) == list(range(10))
 
 
+@pytest.mark.slow
 def test_ddp_spawn_two_processes_write_once_with_reduced_counters(tmp_path):
     trainer = _trainer(
         tmp_path, [GradWatch(flush_every=5)], strategy="ddp_spawn", devices=2, max_steps=10, limit_val_batches=0
@@ -155,6 +156,7 @@ def read_scalars_file(path):
     return set(acc.Tags()["scalars"])
 
 
+@pytest.mark.slow
 def test_lightning_cli_configures_the_callback(tmp_path):
     cmd = [
         sys.executable, "-m", "tests.lightning_app.cli", "fit",

@@ -46,6 +46,7 @@ def test_demo_without_fault_raises_nothing(demo_runs):
     assert "no alerts" in printed
 
 
+@pytest.mark.slow
 def test_demo_shows_progress_on_long_runs(tmp_path):
     out = io.StringIO()
     run_demo(logdir=str(tmp_path), steps=200, out=out)
@@ -83,6 +84,7 @@ def test_report_text_table_is_aligned(demo_runs, capsys):
     assert any("nonfinite" in line and "layer 2" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_console_script_and_module_entry_point(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "gradwatch", "demo", "--steps", "5", "--logdir", str(tmp_path)],
