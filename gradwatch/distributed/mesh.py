@@ -131,7 +131,6 @@ class MeshLayout:
     """
 
     def __init__(self, ranks: list[RankDescription], rank: int, local: Layout) -> None:
-        mine = ranks[rank]
         self.flush_every = local.flush_every
         self.counts_every_step = all(r.counts_every_step for r in ranks)
         self.track_updates = any(r.track_updates for r in ranks)
@@ -150,7 +149,21 @@ class MeshLayout:
         n = len(self.names)
         self.unit_count = np.array(units, dtype=np.int64)
         self.unit_offset = starts(self.unit_count)
+        column_of, holders, sample_order = self._columns(ranks, index, shapes)
+        device = self._map_rank(ranks, rank, local, index, column_of, holders, sample_order)
 
+        # Every state a sum (or a maximum) over the ranks, weighted by gather(); the host's counts
+        # arrive on the device with the rest of the rank's buffer.
+        self.buffer = StatBuffer(device)
+        declare_states(
+            self.buffer, local.flush_every, len(self.param_layer), n, int(self.unit_count.sum()), len(sample_order),
+            self.track_updates, params=("sum", "max"), samples="sum", host_counts=False,
+        )  # fmt: skip
+
+    def _columns(self, ranks: list[RankDescription], index: dict[str, int],
+                 shapes: list[tuple]) -> tuple[dict[tuple[str, int], int], np.ndarray, list[int]]:  # fmt: skip
+        """Every layer's parameter tensors as columns, in order; how many ranks hold each; the update
+        sample's columns. Returns (column of (layer, k), holders per column, sampled columns in order)."""
         # Columns: every layer's parameters in order; held by the ranks that list them.
         column_of: dict[tuple[str, int], int] = {}
         owner, numel, ndim = [], [], []
@@ -163,7 +176,7 @@ class MeshLayout:
         self.param_layer = np.array(owner, dtype=np.int64)
         self.tensor_numel = np.array(numel, dtype=np.int64)
         self.param_ndim = np.array(ndim, dtype=np.int64)
-        self.param_numel = np.zeros(n, dtype=np.int64)
+        self.param_numel = np.zeros(len(self.names), dtype=np.int64)
         np.add.at(self.param_numel, self.param_layer, self.tensor_numel)
         holders = np.zeros(len(owner), dtype=np.int64)
         for description in ranks:
@@ -177,7 +190,12 @@ class MeshLayout:
         sample_order = sorted(sampled_keys)
         self.sample_columns = np.array(sample_order, dtype=np.int64)
         self.sample_numel = np.array([sampled_keys[c] for c in sample_order], dtype=np.int64)
+        return column_of, holders, sample_order
 
+    def _map_rank(self, ranks: list[RankDescription], rank: int, local: Layout, index: dict[str, int],
+                  column_of: dict[tuple[str, int], int], holders: np.ndarray, sample_order: list[int]) -> torch.device:  # fmt: skip
+        """Where this rank's states go in the union's, and with which weights; returns the device."""
+        mine, n = ranks[rank], len(self.names)
         # This rank's states -> the union's: indices and weights.
         world = len(ranks)
         mine_cols = np.array([column_of[key] for key in mine.columns], dtype=np.int64)
@@ -210,14 +228,7 @@ class MeshLayout:
         self._stage_lift = (n - stage) * _STAGE_SPAN
         self._samples = index_tensor(mine_samples, device)
         self._sample_factor = host_to_device(1.0 / holders[mine_cols[mine.sample_columns]], device, dtype)
-
-        # Every state a sum (or a maximum) over the ranks, weighted by gather(); the host's counts
-        # arrive on the device with the rest of the rank's buffer.
-        self.buffer = StatBuffer(device)
-        declare_states(
-            self.buffer, local.flush_every, len(owner), n, int(self.unit_count.sum()), len(sample_order),
-            self.track_updates, params=("sum", "max"), samples="sum", host_counts=False,
-        )  # fmt: skip
+        return device
 
     @property
     def sampled_slots(self) -> np.ndarray:

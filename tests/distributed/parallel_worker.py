@@ -184,6 +184,60 @@ def weights(named: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
     }
 
 
+def _quiet_under_sequence_parallelism(rank: int, world: int) -> dict:
+    """sync_dist=False, and pause(), mean no collective at all under sequence parallelism (whose norm
+    gradients are Partial): counted by gradwatch's collective owner and by a wrapped all_reduce."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module,
+    )  # fmt: skip
+
+    from gradwatch import GradMonitor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = build_sp_net()
+    parallelize_module(model, mesh, {"norm": SequenceParallel(), "fc1": ColwiseParallel(input_layouts=Shard(1)),
+                                     "fc2": RowwiseParallel(output_layouts=Shard(1))})  # fmt: skip
+    half = SEQ // world
+    original, made = dist.all_reduce, []
+
+    def counting(*args, **kwargs):
+        made.append(1)
+        return original(*args, **kwargs)
+
+    def steps(monitor, n):
+        for step in range(n):
+            (model(sp_batch(step)[:, half * rank : half * (rank + 1)]).square().sum()).backward()
+            before = len(made)
+            dist.all_reduce = counting
+            try:
+                monitor.step()
+            finally:
+                dist.all_reduce = original
+            gradwatch_calls.append(len(made) - before)
+            model.zero_grad()
+
+    gradwatch_calls: list[int] = []
+    off = GradMonitor(model, flush_every=50, sync_dist=False)
+    steps(off, 3)
+    off_calls = dict(off._collectives.calls)
+    off.close()
+    on = GradMonitor(model, flush_every=50)
+    steps(on, 2)  # on: one batched collective per step for the Partial gradients
+    on.pause()
+    paused_from = len(gradwatch_calls)
+    steps(on, 2)
+    on.resume()
+    on_calls = dict(on._collectives.calls)
+    on.sync_dist = False  # close without a flush collective, as an exception handler would
+    on.close()
+    dist.barrier()
+    return {"calls_per_step": gradwatch_calls, "paused_from": paused_from, "off_calls": off_calls,
+            "on_calls": on_calls}
+
+
 def body(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
@@ -201,6 +255,8 @@ def body(rank: int, world: int) -> dict:
 
     tp_rank = replica = 0
     twin = None
+    if mode == "sp_quiet":
+        return _quiet_under_sequence_parallelism(rank, world)
     if mode == "sp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard

@@ -229,3 +229,13 @@ def test_the_schedules_shape_inference_pass_is_avoided_by_static_stage_shapes(tm
     ranks = spawn("tests.distributed.parallel_worker", 2, str(tmp_path / "out"), "dynamic")
     for r in ranks:
         assert r["calls"] == {layer: STEPS * MICROBATCHES + 1 for layer in r["layers"]}
+
+
+def test_sync_off_and_pause_mean_no_collective_under_sequence_parallelism(tmp_path):
+    ranks = spawn("tests.distributed.parallel_worker", 2, str(tmp_path / "out"), "sp_quiet")
+    for r in ranks:
+        # sync_dist=False: 3 steps, no collective; on: one per step (the private Partial reduction);
+        # paused: none
+        assert r["calls_per_step"] == [0, 0, 0, 1, 1, 0, 0], r
+        assert r["off_calls"] == {"gather": 0, "reduce": 0, "partials": 0}
+        assert r["on_calls"]["partials"] == 2 and r["on_calls"]["reduce"] == 0
