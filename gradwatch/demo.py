@@ -38,6 +38,15 @@ def build_model(fault: str) -> nn.Module:
     return model
 
 
+def _optimizer(model: nn.Module, fault: str) -> torch.optim.Optimizer:
+    # The vanishing demo trains with SGD, whose step is the gradient: there a layer five decades
+    # below the others really stops learning. Adam would rescue it (its step is normalised), and
+    # gradwatch, told the optimizer, would rightly judge it by the absolute floor only.
+    if fault == "vanishing":
+        return torch.optim.SGD(model.parameters(), lr=0.05)
+    return torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
 def run_demo(
     logdir: str = "runs/gradwatch-demo",
     steps: int = 300,
@@ -54,13 +63,7 @@ def run_demo(
     torch.manual_seed(seed)
     model = build_model(fault)
     teacher = torch.randn(32, 4) / 32**0.5
-    # The vanishing demo trains with SGD, whose step is the gradient: there a layer five decades
-    # below the others really stops learning. Adam would rescue it (its step is normalised), and
-    # gradwatch, told the optimizer, would rightly judge it by the absolute floor only.
-    if fault == "vanishing":
-        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    else:
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = _optimizer(model, fault)
     fault_step = max(steps * 2 // 3, 1) if steps > 40 else steps - 1
     handler = logging.StreamHandler(out)
     handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
@@ -97,6 +100,11 @@ def run_demo(
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
+    _print_summary(alerts, logdir, out)
+    return alerts
+
+
+def _print_summary(alerts: list[Alert], logdir: str, out: TextIO) -> None:
     if alerts:
         print(f"\n{len(alerts)} alert(s):", file=out)
         for a in alerts:
@@ -106,7 +114,6 @@ def run_demo(
     print(f"\nOpen the dashboard:  tensorboard --logdir {logdir}", file=out)
     print("  then the Custom Scalars tab (gradient RMS per layer, log scale) and the Images tab", file=out)
     print(f"Summarise it here:   gradwatch report {logdir}", file=out)
-    return alerts
 
 
 def run_name(fault: str) -> str:
