@@ -251,10 +251,13 @@ class ParamStats:
         params: list[torch.nn.Parameter] = []
         owner: list[int] = []
         sparse_capable: set[int] = set()
+        names: list[str] = []
         for index, layer in enumerate(layers):
             may_be_sparse = bool(getattr(layer.module, "sparse", False))  # Embedding(sparse=True)
+            own = {id(p): n for n, p in layer.module.named_parameters(recurse=False)}
             for p in layer.params:
                 params.append(p)
+                names.append(f"{layer.name}.{own.get(id(p), '?')}")
                 owner.append(index)
                 if may_be_sparse:
                     sparse_capable.add(id(p))
@@ -276,6 +279,9 @@ class ParamStats:
         keys = [None if id(p) in sparse_capable else _group_key(p, self.cpu_fast) for p in params]
         order = sorted(range(len(params)), key=lambda j: (keys[j] is None, str(keys[j]), j))
         self.params = [params[j] for j in order]
+        #: "layer.parameter" of each column (log lines only)
+        self.param_names = [names[j] for j in order]
+        self.failed_tensors: set[str] = set()
         self.param_layer = np.array([owner[j] for j in order], dtype=np.int64)
         self.numel = np.array([_global_numel(p) for p in self.params], dtype=np.int64)
         self.ndim = np.array([p.ndim for p in self.params], dtype=np.int64)
@@ -340,7 +346,8 @@ class ParamStats:
             grads = [p.grad for p in group.params]
             if group.key is not None and not any(map(_is_none, grads)):
                 present[group.cols] = 1
-                self._reduce(group.key, grads, rows.part(group.cols))
+                for k in self._reduce(group.key, grads, rows.part(group.cols)):
+                    present[group.cols.start + k] = 0
                 continue
             # Some gradients missing, sparse or sharded: reduce those present one by one.
             for offset, g in enumerate(grads):
@@ -356,7 +363,8 @@ class ParamStats:
                 present[column] = 1
                 if g.numel() == 0:
                     continue
-                self._reduce(_group_key(g, self.cpu_fast, dense=True), [g], rows.part(slice(column, column + 1)))
+                if self._reduce(_group_key(g, self.cpu_fast, dense=True), [g], rows.part(slice(column, column + 1))):
+                    present[column] = 0
         if self.sharded:
             self._apply_weights(rows, weights)
 
@@ -367,8 +375,38 @@ class ParamStats:
         reduced = self._reduce_partials(partial) if partial and self._reduce_partials is not None else None
         return {} if reduced is None else {id(g): r for g, r in zip(partial, reduced)}
 
-    def _reduce(self, key: tuple, grads: list[torch.Tensor], rows: StepRows) -> None:
+    def _reduce(self, key: tuple, grads: list[torch.Tensor], rows: StepRows) -> list[int]:
+        """One group's reduction; if it raises, each tensor alone, so that a tensor that cannot be
+        reduced costs its own statistics only (left out as if it had no gradient, one warning naming
+        it), never its group's. Returns the positions of the tensors left out."""
+        try:
+            self._reduce_group(key, grads, rows)
+            return []
+        except Exception as exc:
+            if len(grads) == 1:
+                self._failed_tensor(grads[0], exc)
+                return [0]
+        failed = []
+        for k, g in enumerate(grads):
+            try:
+                self._reduce_group(key, [g], rows.part(slice(k, k + 1)))
+            except Exception as exc:
+                self._failed_tensor(g, exc)
+                failed.append(k)
+        return failed
+
+    def _failed_tensor(self, grad: torch.Tensor, exc: BaseException) -> None:
+        name = next((n for p, n in zip(self.params, self.param_names) if p.grad is grad), "?")
+        if name not in self.failed_tensors:
+            self.failed_tensors.add(name)
+            log.warning("gradwatch: the statistics of parameter %s failed (%s: %s); it alone is left out, "
+                        "training and the other statistics go on", name, type(exc).__name__, exc)  # fmt: skip
+
+    def _reduce_group(self, key: tuple, grads: list[torch.Tensor], rows: StepRows) -> None:
         device, dtype, large = key
+        if dtype.is_complex:  # measured by their modulus: sum of |g|^2, max |g|, non-finite elements
+            _complex_stats(grads, rows, self._foreach.acc_dtype)
+            return
         on_cpu = device.type == "cpu" and self.cpu_fast
         if on_cpu and dtype == torch.float64:  # float32 slots cannot hold them: float64 norms, counted
             self._foreach.reduce(grads, rows, None, count=True)
@@ -405,6 +443,16 @@ class ParamStats:
         self._dtensors = []
         self._groups = []
         self._light_groups = []
+
+
+def _complex_stats(grads: list[torch.Tensor], rows: StepRows, acc: torch.dtype) -> None:
+    """Complex gradients by their modulus (|g| = sqrt(re^2 + im^2)): the sum of squares of the real
+    view is the sum of |g|^2; max |g| and the non-finite count are taken per complex element."""
+    real = [torch.view_as_real(g) for g in grads]
+    rows.sq.copy_(torch.stack([torch.linalg.vector_norm(r, dtype=acc) for r in real]).square())
+    rows.nonfinite.copy_(torch.stack([(~torch.isfinite(g)).sum() for g in grads]).to(rows.nonfinite.dtype))
+    if rows.max is not None:
+        rows.max.copy_(torch.stack([g.abs().max().to(rows.max.dtype) for g in grads]))
 
 
 def _contiguous_groups(keys: list) -> list[tuple[tuple | None, slice]]:

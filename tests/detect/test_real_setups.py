@@ -279,3 +279,69 @@ def test_a_layer_unfrozen_after_attach_is_said_once(caplog):
         monitor.close()
     said = [r.getMessage() for r in caplog.records if "were frozen when gradwatch attached" in r.getMessage()]
     assert len(said) == 1 and "layer(s) 2 require" in said[0]
+
+
+class _ComplexScale(nn.Module):
+    """A learned complex gain applied to the real input's FFT (a complex parameter)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(n // 2 + 1, dtype=torch.complex64))
+
+    def forward(self, x):
+        return torch.fft.irfft(torch.fft.rfft(x) * self.gain, n=x.shape[-1])
+
+
+@pytest.mark.usefixtures("param_path")
+def test_a_complex_parameter_is_measured_by_its_modulus_and_costs_nothing_else():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _ComplexScale(8), nn.Linear(8, 1))
+    monitor = GradMonitor(model, flush_every=3, detail="full")
+    expected = []
+    for _ in range(3):
+        model(torch.randn(4, 8)).square().mean().backward()
+        g = model[1].gain.grad
+        expected.append((float(g.abs().double().norm()), float(g.abs().max()),
+                         float(torch.cat([p.grad.reshape(-1) for p in model[0].parameters()]).double().norm())))
+        monitor.step()
+        model.zero_grad()
+    monitor.close()
+    w = monitor.last_window
+    assert w.layers == ["0", "1", "2"]
+    for t, (norm, peak, real_norm) in enumerate(expected):
+        assert w.grad_norm[t, 1] == pytest.approx(norm, rel=1e-5)
+        assert w.grad_max[t, 1] == pytest.approx(peak, rel=1e-5)
+        assert w.grad_norm[t, 0] == pytest.approx(real_norm, rel=1e-5)  # the real layers as always
+    assert monitor.alerts == []
+
+
+def test_one_tensor_that_cannot_be_reduced_costs_that_tensor_only(monkeypatch, caplog):
+    import gradwatch.capture.param_stats as param_stats
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    bad = model[0].bias
+    original = param_stats.ParamStats._reduce_group
+
+    def failing(self, key, grads, rows):
+        if any(g is bad.grad for g in grads):
+            raise RuntimeError("an unsupported tensor")
+        return original(self, key, grads, rows)
+
+    monkeypatch.setattr(param_stats.ParamStats, "_reduce_group", failing)
+    monitor = GradMonitor(model, flush_every=2, detail="full")
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+            expected = float(model[1].weight.grad.double().norm().hypot(model[1].bias.grad.double().norm()))
+            weight_norm = float(model[0].weight.grad.double().norm())
+            monitor.step()
+            model.zero_grad()
+        monitor.close()
+    w = monitor.last_window
+    assert w.grad_norm[-1, 1] == pytest.approx(expected, rel=1e-6)  # the other layer as always
+    # the failing tensor is left out as if it had no gradient: its layer's value is its weight's
+    assert w.grad_norm[-1, 0] == pytest.approx(weight_norm, rel=1e-6)
+    assert monitor.alerts == []  # and it is no "nonfinite" either
+    said = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(said) == 1 and "parameter 0.bias" in said[0]
