@@ -12,6 +12,8 @@ from ..flush.window import Window
 
 MIN_STEPS = 2  # evidence from at least this many distinct steps
 CLEAR = 0.8  # clearly healthy: dead_fraction at most 0.8 x its threshold
+#: A confirmation that finds no evidence (the layer stopped running) ends after this many windows.
+CONFIRM_WINDOWS = 2
 
 
 class DeadUnitsRule:
@@ -37,6 +39,7 @@ class DeadUnitsRule:
         self.steps = np.zeros(n, dtype=np.int64)
         #: layers whose sampled steps said dead: judged again on every step of the next window(s)
         self.confirming = np.zeros(n, dtype=bool)
+        self.confirm_windows = np.zeros(n, dtype=np.int64)  # windows spent confirming without a verdict
 
     @property
     def wants_every_step(self) -> bool:
@@ -50,6 +53,9 @@ class DeadUnitsRule:
         if w.unit_alive is None or w.rows_seen is None:
             return findings
         every_step = w.sampled is None or bool(np.all(w.sampled))
+        self.confirm_windows = np.where(self.confirming, self.confirm_windows + 1, 0)
+        # a confirmation that found no evidence for CONFIRM_WINDOWS windows ends (nothing to confirm)
+        self.confirming &= self.confirm_windows <= CONFIRM_WINDOWS
         for i, alive in enumerate(w.unit_alive):
             if alive is None or w.rows_seen[i] == 0 or w.unit_counts[i] < cfg.dead_min_units:
                 continue
@@ -63,7 +69,9 @@ class DeadUnitsRule:
             fraction = 1.0 - float(np.mean(self.alive[i]))
             rows, steps = int(self.rows[i]), int(self.steps[i])
             self.alive[i], self.rows[i], self.steps[i] = None, 0, 0
-            confirmed = every_step or self.confirming[i]
+            # Every unit silent on every sampled row of enough samples is conclusive (a unit that fires
+            # on a few rows in between reads dead only where some units fire on none of those rows).
+            confirmed = every_step or self.confirming[i] or fraction >= 1.0
             self.confirming[i] = fraction >= cfg.dead_fraction and not confirmed
             if self.confirming[i]:
                 continue

@@ -322,7 +322,9 @@ def test_a_bias_free_conv_after_a_dead_batchnorm_is_not_vanishing_the_dead_layer
     assert kinds[0] == ("dead_units", "bn1"), kinds
     assert not [k for k in kinds if k[0] == "vanishing"], kinds  # conv2 (zero input) and conv1 (behind it)
     dead = next(a for a in monitor.alerts if a.kind == "dead_units")
-    assert "conv2 without a parameter gradient" in dead.message
+    # reported at the first flush (every unit dead on every sampled row is conclusive), where it
+    # already explains conv1; conv2's zero gradient comes after it and is never a separate alert
+    assert dead.step == 9 and "vanishing gradient of layer conv1" in dead.message
 
 
 class _NormBeforeDeadLinear(nn.Module):
@@ -422,6 +424,29 @@ def test_a_layer_dead_on_the_sampled_steps_is_confirmed_on_every_step_of_the_nex
     dead = [a for a in monitor.alerts if a.kind == "dead_units"]
     assert [(a.layer, a.step) for a in dead] == [("0", 49)] and dead[0].value >= 48 / 64
 
+
+
+def test_a_confirmation_that_finds_no_evidence_ends_within_two_windows():
+    # The layer looks dead on the first window's sampled steps, then never runs again (its branch
+    # switched off): the confirmation (every statistic at every step) ends, not on for good.
+    gate, model = _rarely_active_layer()
+    with torch.no_grad():
+        gate.bias[:48] = -100.0
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = GradMonitor(model, flush_every=25, optimizer=opt)
+    full = []
+    for step in range(150):
+        if step < 25:
+            model(torch.randn(32, 16)).sum().backward()
+        else:  # the gate's branch no longer runs: only the head learns
+            model[-1](torch.randn(32, model[-1].in_features)).sum().backward()
+        monitor.step()
+        opt.step()
+        opt.zero_grad()
+        if (step + 1) % 25 == 0:
+            full.append(monitor.last_window.sampled.all())
+    monitor.close()
+    assert full[1] and not full[-1] and not full[-2], full  # confirmed once, then off again
 
 # ------------------------------------------------------------ vanishing under a normalising optimizer
 def test_a_gradient_collapsing_five_decades_is_vanishing_under_adam_too():
