@@ -23,7 +23,6 @@ class ModelWatch:
         #: (name, module) of the selected layers frozen at attach (see check_unfrozen)
         self.frozen = list(frozen or [])
         self.stopped = False  # the model moved or its parameters were replaced: resume() does not undo it
-        self._warned_hooks = False
         self._warned: set[str] = set()  # the one-time messages already said
         self.optimizer_steps_seen = 0
 
@@ -72,11 +71,10 @@ class ModelWatch:
         """Warn once when the layers had gradients but gradwatch's forward hooks never ran: code
         compiled before the monitor attached that gradwatch could not find (a compiled function
         around the model), which runs without its hooks."""
-        if self._warned_hooks or not self.recorder.active:
+        if "hooks" in self._warned or not self.recorder.active:
             return
         ran = any(order for order, _ in window.step_orders)
-        if window.has_grad.any() and not ran:
-            self._warned_hooks = True
+        if window.has_grad.any() and not ran and self._once("hooks"):
             log.warning(
                 "gradwatch: the model's layers had gradients but gradwatch's forward hooks did not run in the "
                 "steps %d-%d, so out_grad_norm, dead units and the forward non-finite check are missing. Code "

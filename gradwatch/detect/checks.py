@@ -128,7 +128,7 @@ class HealthChecks:
     def _scaler_skips(self, w: Window, skipped: np.ndarray, result: Assessment) -> None:
         if w.skipped is None:
             return
-        grad_bad = (w.nonfinite > 0) | (w.has_grad & ~np.isfinite(w.grad_norm))
+        grad_bad = nonfinite.bad_gradients(w)
         for t, step in enumerate(w.steps):
             order = w.step_orders[t][0] if t < len(w.step_orders) else []
             finding = self.scaler_skips.step(step, bool(skipped[t]), grad_bad[t], order, float(np.nansum(w.nonfinite[t])))

@@ -115,8 +115,10 @@ class ExplodingRule:
             return
         c = cols[exploded]
         slot = self.exploded_streak[c] % RECENT_STEPS
-        self.exploded_recent[slot, c] = row[exploded]
-        settled = c[self.exploded_streak[c] >= RELEARN_STEPS]
+        values = row[exploded]
+        self.exploded_recent[slot, c] = values
+        done = self.exploded_streak[c] >= RELEARN_STEPS
+        settled = c[done]
         if len(settled):
             latest = self.exploded_recent[:, settled]
             self.recent[:, settled] = latest
@@ -124,7 +126,7 @@ class ExplodingRule:
             self.level[:RECENT_STEPS, settled] = latest
             self.recent_slot[settled] = 0
             self.level_slot[settled] = RECENT_STEPS % LEVEL_STEPS
-            self.last_calm[settled] = row[exploded][self.exploded_streak[c] >= RELEARN_STEPS]
+            self.last_calm[settled] = values[done]
             self.exploded_streak[settled] = 0
 
     def judge_step(self, step: int, value: float, col: int, name: str) -> Finding | None:

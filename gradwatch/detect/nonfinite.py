@@ -49,13 +49,18 @@ class ScalerSkips:
         self.streak = int(state.get("scaler_skip_streak", 0))
 
 
+def bad_gradients(w: Window) -> np.ndarray:
+    """[step, layer] a parameter or output gradient was non-finite. A non-finite sum of squares is a
+    non-finite gradient (finite ones are summed exactly, whatever their size), also on steps where
+    the elements were not counted."""
+    out_bad = w.out_seen & ~np.isfinite(w.out_grad_norm)
+    return (w.nonfinite > 0) | out_bad | (w.has_grad & ~np.isfinite(w.grad_norm))
+
+
 def judge_window(w: Window, skipped: np.ndarray, layers: list[str], result: Any) -> None:
     """The window's first step with a non-finite value (not a GradScaler skip), as one finding; else
     every layer is clear."""
-    out_bad = w.out_seen & ~np.isfinite(w.out_grad_norm)
-    # A non-finite sum of squares is a non-finite gradient (finite ones are summed exactly,
-    # whatever their size), also on steps where the elements were not counted.
-    grad_bad = (w.nonfinite > 0) | out_bad | (w.has_grad & ~np.isfinite(w.grad_norm))
+    grad_bad = bad_gradients(w)
     fwd_bad = w.fwd_nonfinite
     for t in range(len(w.steps)):
         if not (fwd_bad[t].any() or grad_bad[t].any()):

@@ -26,21 +26,6 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-class CallbackSink:
-    """Every flushed step's scalars to ``callback(metrics, step)``, in step order."""
-
-    def __init__(self, callback: MetricsCallback) -> None:
-        self.callback = callback
-        self.name = f"sending metrics to {describe(callback)}"
-
-    def write(self, window: Window, alerts: list[Alert], total_alerts: int, final: bool = False) -> None:
-        for step, values in window_metrics(window, total_alerts):
-            self.callback(values, step)
-
-    def close(self) -> None:
-        pass
-
-
 class Outputs:
     """The monitor's sinks (the writing rank's), each failing on its own.
 
@@ -54,11 +39,12 @@ class Outputs:
         self._failures = failures
         self._logdir = logdir
         self.tensorboard: TensorBoardSink | None = TensorBoardSink(writer, owns_writer=False) if writer is not None else None
-        self.callbacks: list[CallbackSink] = []
+        #: (log name, callback) of each metrics callback: every flushed step's scalars, in step order
+        self.callbacks: list[tuple[str, MetricsCallback]] = []
         self._open_own_writer()
 
     def add_callback(self, callback: MetricsCallback) -> None:
-        self.callbacks.append(CallbackSink(callback))
+        self.callbacks.append((f"sending metrics to {describe(callback)}", callback))
 
     def _open_own_writer(self) -> None:
         """Open the writer gradwatch owns (at attach, then at each flush until it works: a full disk)."""
@@ -84,12 +70,18 @@ class Outputs:
             self._failures.guarded("writing to TensorBoard", lambda: board.write(window, alerts, total_alerts, final=final))
             if histograms is not None and not final and window.steps:
                 self._failures.guarded("writing histograms", lambda: board.write_histograms(histograms(), window.steps[-1]))
-        for sink in self.callbacks:
-            self._failures.guarded(sink.name, lambda: sink.write(window, alerts, total_alerts, final))
+        if not self.callbacks:
+            return
+        metrics = self._failures.guarded("collecting metrics", lambda: window_metrics(window, total_alerts), [])
+        for name, callback in self.callbacks:  # the same scalars for every callback, made once
+            self._failures.guarded(name, lambda: _send(callback, metrics))
 
     def close(self) -> None:
         board, self.tensorboard = self.tensorboard, None
         if board is not None:
             self._failures.guarded("closing the TensorBoard writer", board.close)
-        for sink in self.callbacks:
-            sink.close()
+
+
+def _send(callback: MetricsCallback, metrics: list[tuple[int, dict[str, float]]]) -> None:
+    for step, values in metrics:
+        callback(values, step)
