@@ -27,8 +27,9 @@ import torch
 
 from ..capture.layout import FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, STEP_FAILED, Layout
 
-#: Staging slots for steps whose values are still being copied (a step finding none free is
-#: judged at the flush).
+#: Staging slots allocated at attach for steps whose values are still being copied. A step that
+#: finds them all in flight adds one (at most one per step of a window, as ``ready()`` runs at
+#: every step and the flush clears the ring): every step is judged per step, and nothing waits.
 _RING = 4
 
 
@@ -69,21 +70,30 @@ class StepReadback:
             self._host_rows = [
                 tuple(row.numpy() for row in (*rows, order)) for rows, order in zip(self._rows, self._order_rows)
             ]
-        # In flight: (slot, staging index, event or None); the staging ring is allocated once
-        # (pinned on CUDA): a step whose copy finds the ring full is judged at the flush instead.
+        # In flight: (slot, staging index, event or None); the staging ring (pinned on CUDA) is
+        # allocated at attach and grows by one slot when a step finds every slot in flight (a
+        # device running many steps ahead of the host), up to one per step of a window.
         self._in_flight: list[tuple] = []
         self._ring: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._ring_host: list[tuple[np.ndarray, np.ndarray]] = []  # numpy views of the ring, made once
         self._free: list[int] = []
         if not self.host_path:
-            pinned = self.cuda
-            size = sum(self._sizes)
-            for _ in range(_RING):
-                row = torch.empty(size, dtype=buffer.dtype, pin_memory=pinned)
-                order = torch.empty(n, dtype=buffer.dtype, pin_memory=pinned)
-                self._ring.append((row, order))
-                self._ring_host.append((row.numpy(), order.numpy()))
-            self._free = list(range(_RING))
+            for _ in range(min(_RING, layout.flush_every)):
+                self._add_slot()
+
+    def _add_slot(self) -> None:
+        """One more staging slot (pinned host memory on CUDA), free."""
+        buffer = self.layout.buffer
+        row = torch.empty(sum(self._sizes), dtype=buffer.dtype, pin_memory=self.cuda)
+        order = torch.empty(len(self.layout.names), dtype=buffer.dtype, pin_memory=self.cuda)
+        self._ring.append((row, order))
+        self._ring_host.append((row.numpy(), order.numpy()))
+        self._free.append(len(self._ring) - 1)
+
+    @property
+    def slots(self) -> int:
+        """How many staging slots the ring has now (0 on the CPU path, which reads the buffer)."""
+        return len(self._ring)
 
     @property
     def available(self) -> bool:
@@ -96,7 +106,7 @@ class StepReadback:
             self._in_flight.append((slot,))
             return
         if not self._free:
-            return  # every staging slot is still in flight: this step is judged at the flush
+            self._add_slot()  # every slot still in flight: grow rather than wait or lose the step
         k = self._free.pop()
         staged, order = self._ring[k]
         staged.copy_(torch.cat(self._rows[slot]), non_blocking=self.cuda)

@@ -71,3 +71,82 @@ def test_finite_values_whose_sum_overflows_flag_nothing():
     # each square is finite; their total overflows: the exact path finds no bad layer
     s = summarize(_values([1e308, 1e308, 1.0, 1.0, 1.0], [1] * 5), _LAYOUT, None)
     assert not s.any_bad and math.isinf(s.global_norm)
+
+
+# --- the staging ring of the device-agnostic path (accelerators; here on CPU tensors) ---------
+
+
+def _staged_monitor(monkeypatch, ring: int, **kwargs):
+    import torch
+    from torch import nn
+
+    import gradwatch.capture.param_stats as param_stats
+    import gradwatch.flush.readback as readback
+    from gradwatch import GradMonitor
+
+    monkeypatch.setattr(param_stats, "CPU_FAST_PATH", False)  # the accelerators' path
+    monkeypatch.setattr(readback, "_RING", ring)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    monitor = GradMonitor(model, **kwargs)
+    assert not monitor._judge._readback.host_path and monitor._per_step
+    return torch, model, monitor
+
+
+def _record_judged(monitor):
+    """Wrap the per-step checks to record (step, global norm) of every step they judge."""
+    judged = []
+    checks = monitor._judge._checks
+    original = checks.judge_step
+
+    def judge_step(step, summary, *args):
+        judged.append((step, summary.global_norm))
+        return original(step, summary, *args)
+
+    checks.judge_step = judge_step
+    return judged
+
+
+def test_a_full_ring_grows_and_every_step_is_judged_in_order(monkeypatch):
+    # A device running ahead of the host: the copies of steps 0-2 have not landed when their
+    # step() looks (simulated: ready() finds nothing), so steps 1-3 find the one slot in flight.
+    # Every step must still be judged per step, in order, with its own values.
+    torch, model, monitor = _staged_monitor(monkeypatch, ring=1, flush_every=10)
+    readback = monitor._judge._readback
+    original_ready = readback.ready
+    lagging = {"on": True}
+    monkeypatch.setattr(readback, "ready", lambda wait=False: [] if lagging["on"] and not wait else original_ready(wait))
+    judged = _record_judged(monitor)
+    reference = []
+    for step in range(4):
+        lagging["on"] = step < 3
+        model(torch.randn(5, 4)).pow(2).mean().backward()
+        reference.append(math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters())))
+        monitor.step()
+        model.zero_grad()
+        if step < 3:
+            assert judged == []  # nothing landed yet
+    assert readback.slots == 4  # grew by one per step in flight, no step dropped
+    assert [s for s, _ in judged] == [0, 1, 2, 3]
+    assert [n for _, n in judged] == pytest.approx(reference, rel=1e-6)
+    monitor.close()
+
+
+def test_with_no_free_slot_at_attach_a_nan_still_stops_at_its_own_step(monkeypatch):
+    # The issue's simulation (a ring of 0): before, no step found a slot, so the per-step checks
+    # never ran and a NaN was seen only at the flush (step 9). Now it stops the run at step 3.
+    from gradwatch import GradientHealthError, HealthConfig
+
+    torch, model, monitor = _staged_monitor(monkeypatch, ring=0, flush_every=10,
+                                            config=HealthConfig(stop_on={"nonfinite"}))  # fmt: skip
+    stopped_at = None
+    for step in range(10):
+        loss = model(torch.randn(5, 4)).pow(2).mean()
+        (loss * float("nan") if step == 3 else loss).backward()
+        try:
+            monitor.step()
+        except GradientHealthError:
+            stopped_at = step
+            break
+        model.zero_grad()
+    assert stopped_at == 3
+    monitor.close()
