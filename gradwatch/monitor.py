@@ -116,7 +116,7 @@ class GradMonitor:
         self._per_step = detection.per_step
         self._alerts_since_flush: list[Alert] = []  # raised by step() since the last flush, for its text
         self._window_steps: list[int] = []
-        self._watch = ModelWatch(recorder, frozen_layers(model, self._include, self._exclude))
+        self._watch = ModelWatch(recorder, frozen_layers(model, self._include, self._exclude), self._layer_specs)
         self.last_window: Window | None = None  # the most recent flushed window
         self._is_writer = is_writer
         self._outputs = Outputs(self._failures, str(logdir) if is_writer and logdir else None, writer if is_writer else None)
@@ -204,6 +204,9 @@ class GradMonitor:
     def step(self, global_step: int | None = None, *, grads_scaled: bool = False) -> list[Alert]:
         """Record one optimizer step; returns the alerts it raised (and, every ``flush_every`` steps, the flush's).
 
+        A call with no backward since the last recorded step (its gradients unchanged) records
+        nothing and returns ``[]``, with one warning.
+
         Args:
             global_step: the step number (default: one more than the last).
             grads_scaled: the gradients still carry the GradScaler's scale (an optimizer that
@@ -216,6 +219,8 @@ class GradMonitor:
         if self._closed:
             raise RuntimeError("this GradMonitor is closed; create a new one to keep monitoring")
         global_step = check_step_number(global_step)
+        if self._watch.repeats_last_step():
+            return []
         step = self._next_step if global_step is None else global_step
         self._watch.check_step_number(step, self._next_step)
         if not grads_scaled and self._scaler is not None:
@@ -226,6 +231,7 @@ class GradMonitor:
             self._watch.stop_recording(str(exc))
         except Exception as exc:  # never break a healthy run; the row is marked failed
             self._recorder.hook_failed("step()", exc)
+        self._watch.backward.remember()
         self._window_steps.append(step)
         self._next_step = step + 1
         new = self._judge.judge(self._recorder.slot - 1, self._window_steps) if self._per_step else []

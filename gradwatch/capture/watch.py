@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from .freshness import BackwardWitness
 from .layers import LayerSpec
 
 log = logging.getLogger("gradwatch")
@@ -16,10 +17,14 @@ class ModelWatch:
 
     Args:
         recorder: the recorder to switch off for good.
+        frozen: (name, module) of the selected layers that were frozen at attach.
+        layers: the monitored layers, whose witnesses tell a repeated ``step()`` (``freshness.py``).
     """
 
-    def __init__(self, recorder: Any, frozen: list[tuple[str, Any]] | None = None) -> None:
+    def __init__(self, recorder: Any, frozen: list[tuple[str, Any]] | None = None,
+                 layers: list[LayerSpec] | None = None) -> None:  # fmt: skip
         self.recorder = recorder
+        self.backward = BackwardWitness(layers or [])
         #: (name, module) of the selected layers frozen at attach (see check_unfrozen)
         self.frozen = list(frozen or [])
         self.stopped = False  # the model moved or its parameters were replaced: resume() does not undo it
@@ -66,6 +71,19 @@ class ModelWatch:
 
     def drop_references(self) -> None:
         self.frozen = []
+        self.backward.drop_references()
+
+    def repeats_last_step(self) -> bool:
+        """A ``step()`` with no backward since the last recorded one: not a new record (said once)."""
+        if not self.backward.repeats_last_step():
+            return False
+        if self._once("repeat"):
+            log.warning(
+                "gradwatch: step() was called with no backward since the last step(), so there are no new "
+                "gradients to record; this call records nothing (call monitor.step() once per optimizer step, "
+                "after backward; not in evaluation loops)"
+            )
+        return True
 
     def check_hooks_ran(self, window: Any) -> None:
         """Warn once when the layers had gradients but gradwatch's forward hooks never ran: code

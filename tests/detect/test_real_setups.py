@@ -345,3 +345,65 @@ def test_one_tensor_that_cannot_be_reduced_costs_that_tensor_only(monkeypatch, c
     assert monitor.alerts == []  # and it is no "nonfinite" either
     said = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
     assert len(said) == 1 and "parameter 0.bias" in said[0]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_step_with_no_backward_since_the_last_is_not_a_new_record(set_to_none, caplog):
+    # step() called twice per iteration (a callback and the user's loop both calling it), and in an
+    # evaluation loop after the last backward: only the 12 steps that followed a backward are
+    # records, numbered 0..11, with the gradients of their own backward; one warning says why.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    monitor = GradMonitor(model, flush_every=12, optimizer=opt)
+    reference = []
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        for _ in range(12):
+            model(torch.randn(8, 4)).square().mean().backward()
+            reference.append(torch.cat([p.grad.double().flatten() for p in model[0].parameters()]).norm().item())
+            monitor.step()
+            monitor.step()  # the repeat
+            opt.step()
+            with torch.no_grad():
+                model(torch.randn(8, 4))
+            monitor.step()  # an evaluation batch: still no backward
+            opt.zero_grad(set_to_none=set_to_none)
+        monitor.flush()
+    window = monitor.last_window
+    assert window.steps == list(range(12))
+    assert window.grad_norm[:, 0].tolist() == pytest.approx(reference, rel=1e-5)
+    repeats = [r for r in caplog.records if "no backward since the last step()" in r.getMessage()]
+    assert len(repeats) == 1
+    monitor.close()
+
+
+def test_steps_whose_backward_leaves_witness_layers_idle_are_still_recorded():
+    # The repeat check reads a few witness layers (first, middle, last): a backward that reaches
+    # only some of them is still a new step. Two task heads trained on alternate steps (the last
+    # layer idle every other step) and experts in the middle that run one step in three, with
+    # gradients zeroed in place (idle layers keep a gradient whose version does not change).
+    torch.manual_seed(0)
+
+    class MultiTask(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trunk = nn.Linear(4, 8)
+            self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+            self.head_a, self.head_b = nn.Linear(8, 1), nn.Linear(8, 1)
+
+        def forward(self, x, step):
+            h = self.trunk(x)
+            h = sum(expert(h) for i, expert in enumerate(self.experts) if i < 2 or step % 3 == 0)
+            return (self.head_a if step % 2 else self.head_b)(h)
+
+    model = MultiTask()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = GradMonitor(model, flush_every=24, optimizer=opt)
+    for step in range(24):
+        model(torch.randn(3, 4), step).square().mean().backward()
+        monitor.step()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    monitor.flush()
+    assert monitor.last_window.steps == list(range(24))
+    monitor.close()
