@@ -59,7 +59,11 @@ class _Causes:
         self.explained: set[str] = set()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            self.fed = np.nanmedian(np.where(w.out_seen, w.out_grad_norm, np.nan), axis=0) > 0
+            # Fed: gradient of a real size reaches the output. A deep stack underflowing leaves
+            # subnormal output gradients (1e-44) whose products with the input are exactly zero:
+            # that is the vanishing run itself, not a zero input.
+            median = np.nanmedian(np.where(w.out_seen, w.out_grad_norm, np.nan), axis=0)
+            self.fed = median > dead_rule.config.vanishing_abs_rms
 
     def starved(self, name: str | None) -> bool:
         """Vanished to exactly zero although gradient reaches its output: its input is zero."""
@@ -70,11 +74,25 @@ class _Causes:
         successor = _successor(self.order, layer)
         return layer in self.vanished and successor in self.vanished and not self.starved(successor)
 
+    def run_ends_underflowing(self, layer: str) -> bool:
+        """The run of zero-gradient layers from ``layer`` on (in forward order) ends at a layer whose
+        successor still has a (tiny) gradient: a deep stack underflowing, whose zero-gradient layers
+        are vanishing now, with nothing to wait for. (A dead layer ends its run before a healthy
+        layer, or a starved one.)"""
+        i = self.position[layer]
+        while i + 1 < len(self.order) and self._zero(self.order[i + 1]) and not self.starved(self.order[i + 1]):
+            i += 1
+        successor = _successor(self.order, self.order[i])
+        return successor in self.vanished and not self._zero(successor) and not self.starved(successor)
+
+    def _zero(self, name: str) -> bool:
+        return name in self.vanished and self.vanished[name].value == 0
+
     def wait_for_dead_judgements(self, vanishing: list[Finding]) -> None:
         """A zero-gradient layer waits for its own or a dead neighbour's dead-unit judgement."""
         confirming, index = self.dead_rule.confirming, self.index
         for f in vanishing:
-            if f.value != 0:
+            if f.value != 0 or self.run_ends_underflowing(f.layer):
                 continue
             for name in (f.layer, _successor(self.order, f.layer)):
                 if name is not None and (confirming[index[name]] or self.dead_rule.pending_all_dead(index[name])):

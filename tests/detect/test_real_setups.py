@@ -407,3 +407,35 @@ def test_steps_whose_backward_leaves_witness_layers_idle_are_still_recorded():
     monitor.flush()
     assert monitor.last_window.steps == list(range(24))
     monitor.close()
+
+
+def test_every_zero_gradient_layer_of_a_deep_stack_is_reported_in_one_line(caplog):
+    # 1000 Linear+Sigmoid blocks: the gradient underflows to exactly zero in the first ~900 layers.
+    # Every one of them (the test's own p.grad) is in the first flush's one vanishing line, first
+    # affected the first layer; none is taken for dead units (the zero is an underflow, and the
+    # layers after the zero run still have a tiny gradient) or left to wait for such a judgement.
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(1000):
+        blocks += [nn.Linear(16, 16), nn.Sigmoid()]
+    model = nn.Sequential(*blocks, nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = GradMonitor(model, flush_every=10, optimizer=opt)
+    always_zero = None
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        for _ in range(10):
+            model(torch.randn(8, 16)).square().mean().backward()
+            zero = {name for name, m in model.named_children() if isinstance(m, nn.Linear)
+                    and all(bool((p.grad == 0).all()) for p in m.parameters())}  # fmt: skip
+            always_zero = zero if always_zero is None else always_zero & zero
+            monitor.step()
+            opt.step()
+            opt.zero_grad()
+    lines = [r.getMessage() for r in caplog.records if "vanishing" in r.getMessage()]
+    alerts = monitor.alerts
+    monitor.close()
+    assert len(always_zero) > 800 and "0" in always_zero
+    assert len(lines) == 1 and "first affected: layer 0;" in lines[0], lines
+    vanishing = {a.layer for a in alerts if a.kind == "vanishing"}
+    assert always_zero <= vanishing
+    assert not [a for a in alerts if a.kind == "dead_units"]
