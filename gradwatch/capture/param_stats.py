@@ -1,36 +1,19 @@
-"""Per-tensor reductions of the parameter gradients, as they stand at step().
+"""Per-tensor statistics of the parameter gradients, as they stand at step().
 
 In the manner of ``torch.nn.utils.clip_grad``: gradients are grouped by device,
-dtype and strategy, and each group is reduced by one strategy that fills every
-statistic of its tensors:
-
-- ``ForeachStats`` (any device): one ``torch._foreach_norm`` per group for the
-  sums of squares (accumulated in float64 on accelerators, where that costs
-  nothing more than the memory read), one for max |g|, and a chunked foreach
-  count of non-finite elements.
-- ``CpuBlasStats`` (CPU, float32 tensors of at least 32K elements): one BLAS
-  ``dot`` (sum of squares) and one ``aminmax`` (max |g|) per tensor, written into
-  preallocated slots; on the CPU these beat the foreach kernels (the inf-norm
-  kernel is ~8x slower than ``aminmax``, a float64 norm ~4x slower than ``dot``).
-
-Results are per *tensor*, written into the step's row of the per-tensor states
-(``param_sq``, ``param_max``, ``param_nonfinite``); the host adds them up per
-layer at flush. Columns are ordered by group, so that each group writes one
-contiguous slice with ``torch.stack(..., out=)``.
-
-CPU results are host memory: on the CPU both strategies compute them in float32
-into slots and then ``_CpuSlots.fix`` reads the sums of squares on the host (a
-plain memory read, no device sync). A sum that is not finite means non-finite
-elements (counted exactly, by a pass that runs only then) or a float32 overflow
-of a finite gradient (|g| >~ 1e19: its sum of squares is recomputed in
-float64), so a finite gradient always gets a finite, exact norm.
+dtype and strategy, and each group is reduced by one strategy of ``reductions.py``
+that fills every statistic of its tensors. Results are per *tensor*, written into
+the step's row of the per-tensor states (``param_sq``, ``param_max``,
+``param_nonfinite``); the host adds them up per layer at flush. Columns are ordered
+by group at attach, so that each group writes one contiguous slice with
+``torch.stack(..., out=)``; regrouping (a cast, tensors that turn tiny) keeps that
+order and only splits or joins the runs.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import operator
 from dataclasses import dataclass
 from typing import Callable
@@ -38,13 +21,15 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .devices import foreach_norm, host_to_device
+from .devices import host_to_device
 from .layers import LayerSpec
+from .reductions import (  # noqa: F401  (StepRows, nonfinite_counts: their import path before the split)
+    CpuBlasStats, ForeachStats, StepRows, TinyStats, _CpuSlots, complex_stats, nonfinite_counts,
+)
 from ..distributed.sharding import is_dtensor, is_partial, local_piece, piece_weight
 
 log = logging.getLogger("gradwatch")
 
-_INF = float("inf")
 _is_none = functools.partial(operator.is_, None)
 
 # CPU float32 tensors at least this large go to CpuBlasStats; smaller ones (biases,
@@ -57,163 +42,8 @@ CPU_LARGE = 1 << 15
 #: test suite runs that path on every commit without a GPU. Read when a monitor attaches.
 CPU_FAST_PATH = True
 
-# Temporaries of the non-finite count are bounded to this many elements at a time.
-_COUNT_CHUNK = 1 << 24
-
-
-@dataclass
-class StepRows:
-    """One step's rows of the per-tensor states (float64 views into the buffer), or a group's slice of them."""
-
-    sq: torch.Tensor
-    max: torch.Tensor | None  # None: max |g| not recorded this step
-    nonfinite: torch.Tensor
-    count: bool = True  # False: accelerators skip the non-finite count (finite-or-not stays in sq)
-    #: CPU buffers: ``sq`` as a numpy view made once, for the host check of the results
-    sq_host: np.ndarray | None = None
-
-    def __post_init__(self) -> None:
-        self._slices: dict[tuple[int, int], "StepRows"] = {}
-
-    def part(self, cols: slice) -> "StepRows":
-        """The rows of columns ``cols``, as views made once (slicing is an op per call)."""
-        key = (cols.start, cols.stop)
-        part = self._slices.get(key)
-        if part is None:
-            part = StepRows(
-                self.sq[cols], None if self.max is None else self.max[cols], self.nonfinite[cols], self.count,
-                None if self.sq_host is None else self.sq_host[cols],
-            )  # fmt: skip
-            if len(self._slices) < 64:
-                self._slices[key] = part
-        return part
-
-
-def nonfinite_counts(grads: list[torch.Tensor], chunk: int = _COUNT_CHUNK) -> torch.Tensor:
-    """Per-tensor number of NaN/Inf elements, as one float32 tensor on the gradients' device.
-
-    ``g - g`` is 0 for finite values and NaN for NaN/Inf, and the 0-"norm" counts the
-    non-zeros. The gradients are cut into flat views of at most ``chunk`` elements and
-    processed at most ``chunk`` elements at a time, so the temporaries never exceed
-    ``chunk`` elements however large the model.
-    """
-    pieces: list[torch.Tensor] = []
-    owners: list[int] = []
-    for i, g in enumerate(grads):
-        for piece in g.reshape(-1).split(chunk):
-            pieces.append(piece)
-            owners.append(i)
-    counts: list[torch.Tensor] = []
-    start, size = 0, 0
-    for end, piece in enumerate(pieces + [None]):  # type: ignore[operator]
-        if piece is None or (size + piece.numel() > chunk and end > start):
-            batch = pieces[start:end]
-            counts.extend(torch._foreach_norm(torch._foreach_sub(batch, batch), 0))
-            start, size = end, 0
-        if piece is not None:
-            size += piece.numel()
-    if len(pieces) > len(grads):  # add up the pieces of each split tensor
-        per_tensor: list[list[torch.Tensor]] = [[] for _ in grads]
-        for owner, count in zip(owners, counts):
-            per_tensor[owner].append(count)
-        counts = [c[0] if len(c) == 1 else torch.stack(c).sum() for c in per_tensor]
-    return torch.stack(counts).to(torch.float32)
-
-
-class ForeachStats:
-    """Device-agnostic: one foreach kernel per statistic and group."""
-
-    name = "foreach"
-
-    def __init__(self, acc_dtype: torch.dtype) -> None:
-        self.acc_dtype = acc_dtype  # float64 where the device has it (not MPS)
-
-    def reduce(self, grads: list[torch.Tensor], rows: StepRows, cpu: "_CpuSlots | None", count: bool = False) -> None:
-        """Fill ``rows`` (this group's columns) for ``grads``; ``cpu``: result slots of the CPU path
-        (float32 and narrower gradients); ``count``: count non-finite elements even on a step that
-        does not (float64 gradients on the CPU path, whose counts are promised at every step)."""
-        if cpu is not None:  # CPU: float32 norms, squared into the float64 row, checked on the host
-            norms, _, _ = cpu.head(len(grads))
-            # stack into float32 (a float64 out= costs ~6x as much), square into the row
-            torch.stack(foreach_norm(grads, 2, torch.float32), out=norms)
-            torch.square(norms, out=rows.sq)
-            cpu.fix(grads, rows)
-            if rows.max is not None:
-                rows.max.copy_(_cpu_abs_max(grads))
-            return
-        torch.stack(foreach_norm(grads, 2, self.acc_dtype), out=rows.sq)
-        rows.sq.square_()
-        if rows.count or count:
-            rows.nonfinite.copy_(nonfinite_counts(grads))
-        if rows.max is not None:
-            torch.stack(foreach_norm(grads, _INF, self.acc_dtype), out=rows.max)
-
-
-def _cpu_abs_max(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Per-tensor max |g| of small CPU tensors (the CPU inf-norm kernel is slow)."""
-    if hasattr(torch, "_foreach_max"):
-        return torch.stack(torch._foreach_max(torch._foreach_abs(grads)))
-    return torch.stack([g.abs().max() for g in grads])
-
-
-class CpuBlasStats:
-    """CPU float32 tensors of at least ``CPU_LARGE`` elements: one BLAS dot and one aminmax each.
-
-    ``aminmax`` goes first: it splits the tensor across the intra-op threads and
-    leaves it in cache for the dot.
-    """
-
-    name = "cpu-blas"
-
-    def reduce(self, grads: list[torch.Tensor], rows: StepRows, cpu: "_CpuSlots") -> None:
-        """Fill ``rows`` (this group's columns) for ``grads``."""
-        with_max = rows.max is not None
-        for (sq, lo, hi), g in zip(cpu.slots, grads):
-            flat = g.reshape(-1)
-            if with_max:
-                torch.aminmax(flat, out=(lo, hi))
-            torch.dot(flat, flat, out=sq)
-        sq, lo, hi = cpu.head(len(grads))
-        rows.sq.copy_(sq)
-        cpu.fix(grads, rows)
-        if with_max:
-            rows.max.copy_(torch.maximum(hi, lo.neg()))
-
-
-class _CpuSlots:
-    """Preallocated float32 result slots for CPU groups, and the host-side check of their sums."""
-
-    def __init__(self, size: int) -> None:
-        self.sq = torch.zeros(size, dtype=torch.float32)
-        self.lo = torch.zeros(size, dtype=torch.float32)
-        self.hi = torch.zeros(size, dtype=torch.float32)
-        self.sq_host = self.sq.numpy()  # shares memory: reading it is a plain memory read
-        self.slots = list(zip(self.sq.unbind(), self.lo.unbind(), self.hi.unbind()))
-        self._heads: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-    def head(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        heads = self._heads.get(k)
-        if heads is None:  # slicing is an op per call; the group sizes repeat
-            heads = self._heads[k] = (self.sq[:k], self.lo[:k], self.hi[:k])
-        return heads
-
-    def fix(self, grads: list[torch.Tensor], rows: StepRows) -> None:
-        """Where a float32 result is not finite: count the non-finite elements exactly, and for a
-        finite gradient whose squares overflowed float32, write its float64 sum of squares."""
-        values = rows.sq_host if rows.sq_host is not None else rows.sq.numpy()
-        # The common case (squares of float32 fit) in Python floats: two C-level calls, ~50 us
-        # less than a numpy reduction right after backward, where its code is out of the caches.
-        if math.isfinite(sum(values.tolist())):
-            return
-        bad = np.flatnonzero(~np.isfinite(values))
-        if not len(bad):
-            return
-        counts = nonfinite_counts([grads[b] for b in bad]).tolist()
-        for b, count in zip(bad.tolist(), counts):
-            rows.nonfinite[b] = count
-            if count == 0:
-                norm = torch.linalg.vector_norm(grads[b].reshape(-1), dtype=torch.float64)
-                rows.sq[b] = norm.to(rows.sq.dtype).square()
+#: The key's third field for tensors whose float32 squares underflow (``TinyStats``).
+TINY = "tiny"
 
 
 class ModelMoved(RuntimeError):
@@ -275,6 +105,9 @@ class ParamStats:
         self.counts_every_step = self.cpu_fast and all(p.device.type == "cpu" for p in params)
         self._foreach = ForeachStats(torch.float32 if device.type == "mps" else torch.float64)
         self._blas = CpuBlasStats()
+        self._tiny = TinyStats()
+        #: columns to move into or out of TinyStats at the next step (their squares underflow float32)
+        self._retier: set[int] = set()
         # Columns ordered by group (device, dtype, strategy): each group a contiguous slice.
         keys = [None if id(p) in sparse_capable else _group_key(p, self.cpu_fast) for p in params]
         order = sorted(range(len(params)), key=lambda j: (keys[j] is None, str(keys[j]), j))
@@ -295,7 +128,7 @@ class ParamStats:
         # Steps without max |g| (detail="standard", unsampled) need sums of squares only: one
         # foreach kernel per (device, dtype), large CPU tensors included (one op instead of a
         # view and a dot per tensor; foreach_norm reads a cold tensor about as fast).
-        self._light_groups = self._make_groups([None if k is None else (k[0], k[1], False) for k in keys])
+        self._light_groups = self._make_groups([None if k is None else (k[0], k[1], k[2] == TINY and TINY) for k in keys])
         cpu_sizes = [g.cols.stop - g.cols.start for g in self._groups if g.key is not None and g.key[0].type == "cpu"]
         self._slots = _CpuSlots(max(cpu_sizes, default=0))
 
@@ -321,7 +154,8 @@ class ParamStats:
         """The name of the strategy that reduces column ``column`` when its gradient is dense."""
         for group in self._groups:
             if group.cols.start <= column < group.cols.stop:
-                return self._blas.name if group.key is not None and group.key[2] else self._foreach.name
+                large = group.key[2] if group.key is not None else False
+                return self._tiny.name if large == TINY else self._blas.name if large else self._foreach.name
         raise IndexError(column)
 
     def record(self, rows: StepRows, present: np.ndarray) -> None:
@@ -337,6 +171,8 @@ class ParamStats:
         # Every Python operation here runs right after backward has evicted the interpreter's
         # working set from the caches, at ~10x its usual price: the common case is kept short.
         weights: list[tuple[int, float]] = []
+        if self._retier:
+            self._apply_retier()
         private = self._reduced_partials() if self._dtensors else {}
         for group in self._groups if rows.max is not None else self._light_groups:
             key = group.key
@@ -346,7 +182,7 @@ class ParamStats:
             grads = [p.grad for p in group.params]
             if group.key is not None and not any(map(_is_none, grads)):
                 present[group.cols] = 1
-                for k in self._reduce(group.key, grads, rows.part(group.cols)):
+                for k in self._reduce(group.key, grads, rows.part(group.cols), group.cols.start):
                     present[group.cols.start + k] = 0
                 continue
             # Some gradients missing, sparse or sharded: reduce those present one by one.
@@ -375,12 +211,16 @@ class ParamStats:
         reduced = self._reduce_partials(partial) if partial and self._reduce_partials is not None else None
         return {} if reduced is None else {id(g): r for g, r in zip(partial, reduced)}
 
-    def _reduce(self, key: tuple, grads: list[torch.Tensor], rows: StepRows) -> list[int]:
+    def _reduce(self, key: tuple, grads: list[torch.Tensor], rows: StepRows, first: int | None = None) -> list[int]:
         """One group's reduction; if it raises, each tensor alone, so that a tensor that cannot be
         reduced costs its own statistics only (left out as if it had no gradient, one warning naming
-        it), never its group's. Returns the positions of the tensors left out."""
+        it), never its group's. Returns the positions of the tensors left out. ``first``: the
+        group's first column, to move tensors whose squares underflow (None: tensors reduced one by
+        one, whose tier is not followed)."""
         try:
             self._reduce_group(key, grads, rows)
+            if first is not None:
+                self._note_tiers(key, first)
             return []
         except Exception as exc:
             if len(grads) == 1:
@@ -402,10 +242,35 @@ class ParamStats:
             log.warning("gradwatch: the statistics of parameter %s failed (%s: %s); it alone is left out, "
                         "training and the other statistics go on", name, type(exc).__name__, exc)  # fmt: skip
 
+    def _note_tiers(self, key: tuple, first: int) -> None:
+        """After a CPU group's reduction: its tensors that turned tiny (or grew out of it) change
+        strategy at the next step."""
+        if key[2] == TINY:
+            moved, self._tiny.grown = self._tiny.grown, []
+        elif key[0].type == "cpu" and self.cpu_fast:
+            moved, self._slots.found_tiny = self._slots.found_tiny, []
+        else:
+            return
+        self._retier.update(first + k for k in moved)
+
+    def _apply_retier(self) -> None:
+        """Move the columns in ``_retier`` between TinyStats and their own strategy (the column
+        order stays: only the runs of equal keys split or join)."""
+        keys = list(self._keys)
+        for column in self._retier:
+            key = keys[column]
+            if key is not None:
+                keys[column] = _group_key(self.params[column], self.cpu_fast) if key[2] == TINY else (key[0], key[1], TINY)
+        self._retier.clear()
+        self._plan(keys)
+
     def _reduce_group(self, key: tuple, grads: list[torch.Tensor], rows: StepRows) -> None:
         device, dtype, large = key
+        if large == TINY:
+            self._tiny.reduce(grads, rows)
+            return
         if dtype.is_complex:  # measured by their modulus: sum of |g|^2, max |g|, non-finite elements
-            _complex_stats(grads, rows, self._foreach.acc_dtype)
+            complex_stats(grads, rows, self._foreach.acc_dtype)
             return
         on_cpu = device.type == "cpu" and self.cpu_fast
         if on_cpu and dtype == torch.float64:  # float32 slots cannot hold them: float64 norms, counted
@@ -443,17 +308,6 @@ class ParamStats:
         self._dtensors = []
         self._groups = []
         self._light_groups = []
-
-
-def _complex_stats(grads: list[torch.Tensor], rows: StepRows, acc: torch.dtype) -> None:
-    """Complex gradients by their modulus (|g| = sqrt(re^2 + im^2)): the sum of squares of the real
-    view is the sum of |g|^2; max |g| and the non-finite count are taken per complex element."""
-    real = [torch.view_as_real(g) for g in grads]
-    rows.sq.copy_(torch.stack([torch.linalg.vector_norm(r, dtype=acc) for r in real]).square())
-    rows.nonfinite.copy_(torch.stack([(~torch.isfinite(g)).sum() for g in grads]).to(rows.nonfinite.dtype))
-    if rows.max is not None:
-        rows.max.copy_(torch.stack([g.abs().max().to(rows.max.dtype) for g in grads]))
-
 
 def _contiguous_groups(keys: list) -> list[tuple[tuple | None, slice]]:
     """(key, columns) of each run of equal keys (the columns are sorted by key)."""

@@ -525,3 +525,30 @@ def test_activation_statistics_equal_a_direct_computation_over_every_call_of_the
                 assert t not in scalars[f"gradwatch/act_rms/{name}"]
     assert expected[0]["head"][1] == pytest.approx(0.75)  # the test means something: 3 of 4 units zero
     assert [t for t in range(27) if w.sampled[t]] == [0, 1, 25]
+
+
+@pytest.mark.parametrize("magnitude", [1e-12, 1e-21, 1e-26, 1e-40])
+def test_tiny_gradients_get_their_exact_norm_not_zero(param_path, magnitude):
+    # A vanishing layer's gradient of 1e-25 has float32 squares that underflow (subnormal below
+    # |g| ~ 1e-19, zero below ~2.6e-23): its norm must still be 1e-25-ish, not "zero". Small
+    # tensors (foreach) and one large enough for the CPU's BLAS path; 1e-40 is itself subnormal.
+    # Steps 0-2 tiny (the CPU path moves such tensors to float64 norms after the first), steps 3-4
+    # of a normal size again (back to float32 after 3), each against the test's own float64 norms.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4096))  # 64K weights: the BLAS strategy on CPU
+    monitor = GradMonitor(model, flush_every=5, detail="full")
+    stats = monitor._recorder.param_stats
+    reference, strategies = [], []
+    for step in range(5):
+        model(torch.randn(3, 8)).square().mean().backward()
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) * (magnitude if step < 3 else 1.0)  # float32: 1e-40 is stored subnormal
+        reference.append([torch.cat([p.grad.double().flatten() for p in m.parameters()]).norm().item() for m in model])
+        monitor.step()
+        strategies.append({stats.strategy_of(c) for c in range(stats.n_params)})
+    monitor.flush()
+    assert min(min(r) for r in reference) > 0
+    assert monitor.last_window.grad_norm.tolist() == [pytest.approx(r, rel=1e-6, abs=0) for r in reference]
+    if param_path == "cpu-path" and magnitude < 1e-15:
+        assert strategies[1] == {"tiny"} and "tiny" not in strategies[4]  # float64 from step 1, float32 again at 4
+    monitor.close()
