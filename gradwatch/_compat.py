@@ -20,6 +20,7 @@ import sys
 import types
 from typing import Any, Iterable
 
+import torch
 from torch import nn
 
 log = logging.getLogger("gradwatch")
@@ -193,3 +194,14 @@ def scaler_unscaled(scaler: Any, optimizer: Any = None) -> bool | None:
         return any(getattr(state.get("stage"), "name", "") in done for state in states.values())
     state = states.get(id(getattr(optimizer, "optimizer", optimizer))) or {}
     return getattr(state.get("stage"), "name", "") in done
+
+
+def in_backward() -> bool:
+    """Whether this runs inside a backward pass: a forward recomputed there by reentrant activation
+    checkpointing (whose first forward ran without grad) is not the forward order. False while
+    dynamo traces (the recomputation is then inside a compiled graph, and the call is not
+    traceable) and where the private API is missing."""
+    if torch.compiler.is_compiling():
+        return False
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() >= 0

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import registry
+from .. import _compat, registry
 from .buffer import stat_dtype
 from .layers import LayerSpec, grad_tensors
 from ..distributed.sharding import local_tensor
@@ -209,12 +209,26 @@ class OutputTap:
 
     # ----------------------------------------------------------------- forward
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled() or not self.plan.active:
+        if not self.plan.active:
             return
         try:
-            self._record_outputs(output)
+            if torch.is_grad_enabled():
+                self._record_outputs(output)
+            elif self.plan.sampling:
+                # No gradient will flow from this call: nothing to record but the forward order.
+                # Reentrant activation checkpointing runs its blocks' first forward so; their
+                # recomputation in backward, with grad, records the rest but not the order.
+                self._mark_forward_order(output)
         except Exception as exc:  # never break training; reported at step() (nothing raises when traced)
             self.failed(exc)
+
+    def _mark_forward_order(self, output: Any) -> None:
+        first = output if isinstance(output, torch.Tensor) else next(iter(grad_tensors(output)), None)
+        if first is None or first.device != self.forward_sum.device:
+            return
+        for tap in (self, *self.also):
+            tap.first_call.clamp_min_(tap.clock)
+            tap.clock.sub_(1.0)
 
     def _record_outputs(self, output: Any) -> None:
         if isinstance(output, torch.Tensor):
@@ -250,9 +264,11 @@ class OutputTap:
             # A DTensor output (SequenceParallel keeps one): this rank's piece (mesh.py combines them).
             self.forward_sum.add_(local_tensor(out).sum(dtype=dtype))
             if sampling:
-                # Forward order: the clock counts down, so a layer's first call keeps the largest value.
-                self.first_call.clamp_min_(self.clock)
-                self.clock.sub_(1.0)
+                # Forward order: the clock counts down, so a layer's first call keeps the largest
+                # value (a recomputation inside backward is not forward order: see __call__).
+                if not _compat.in_backward():
+                    self.first_call.clamp_min_(self.clock)
+                    self.clock.sub_(1.0)
                 if self.output_stats is not None:  # the declared output statistics (registry.py)
                     local = local_tensor(out)
                     self.output_stats.add_(registry.accumulate_all(local, self.output_stats.dtype))

@@ -439,3 +439,63 @@ def test_every_zero_gradient_layer_of_a_deep_stack_is_reported_in_one_line(caplo
     vanishing = {a.layer for a in alerts if a.kind == "vanishing"}
     assert always_zero <= vanishing
     assert not [a for a in alerts if a.kind == "dead_units"]
+
+
+class _CheckpointedNet(nn.Module):
+    """An input layer, two blocks under activation checkpointing, an output layer."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)) for _ in range(2))
+        self.out = nn.Linear(8, 1)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.out(x)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_nan_origin_and_forward_order_under_activation_checkpointing(reentrant):
+    # Reentrant checkpointing runs the blocks' forward without grad, then again inside backward:
+    # the recomputation is not forward order. A NaN made in blocks.0's second Linear must be
+    # named there (before: "out", the first layer whose forward ran with grad), and the forward
+    # order must be the order the test's own hooks see in the same model without checkpointing.
+    torch.manual_seed(0)
+    model = _CheckpointedNet(reentrant)
+    seen: list[str] = []
+    names = {m: n for n, m in model.named_modules()}
+    handles = [m.register_forward_hook(lambda m, a, o: seen.append(names[m])) for m in model.modules()
+               if isinstance(m, nn.Linear)]  # fmt: skip
+    x = model.inp(torch.randn(2, 8))  # the same layers called without checkpointing
+    for block in model.blocks:
+        x = block(x)
+    model.out(x)
+    for h in handles:
+        h.remove()
+    expected_order = list(dict.fromkeys(seen))
+
+    monitor = GradMonitor(model, flush_every=4)
+    for _ in range(4):
+        model(torch.randn(4, 8)).sum().backward()
+        monitor.step()
+        model.zero_grad()
+    monitor.flush()
+    assert [monitor.last_window.layers[i] for i in monitor.last_window.step_orders[0][0]] == expected_order
+
+    def poison(module, args, output):
+        output = output.clone()
+        output[0, 0] = float("nan")
+        return output
+
+    handle = model.blocks[0][2].register_forward_hook(poison, prepend=True)
+    model(torch.randn(4, 8)).sum().backward()
+    alerts = monitor.step()
+    handle.remove()
+    monitor.close()
+    nonfinite = [a for a in alerts if a.kind == "nonfinite"]
+    assert [a.layer for a in nonfinite] == ["blocks.0.2"], [a.message for a in alerts]
