@@ -64,6 +64,11 @@ class HealthConfig:
     #: Alert kinds that stop training (GradMonitor raises GradientHealthError).
     stop_on: frozenset[str] = field(default_factory=frozenset)
 
+    def report_thresholds(self) -> dict[str, float]:
+        """The thresholds ``gradwatch report`` explains values by (written beside the layer list)."""
+        names = ("dead_fraction", "dead_min_samples", "dead_min_units", "update_ratio_max", "update_ratio_steps")
+        return {name: getattr(self, name) for name in names}
+
     def __post_init__(self) -> None:
         def finite_positive(name: str, allow_zero: bool = False) -> None:
             value = getattr(self, name)

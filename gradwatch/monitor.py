@@ -119,7 +119,8 @@ class GradMonitor:
         self._watch = ModelWatch(recorder, frozen_layers(model, self._include, self._exclude), self._layer_specs)
         self.last_window: Window | None = None  # the most recent flushed window
         self._is_writer = is_writer
-        self._outputs = Outputs(self._failures, str(logdir) if is_writer and logdir else None, writer if is_writer else None)
+        self._outputs = Outputs(self._failures, str(logdir) if is_writer and logdir else None, writer if is_writer else None,
+                                config.report_thresholds())  # fmt: skip
         if metrics_callback is not None:
             self.add_metrics_callback(metrics_callback)
         self._hooks = HookSet(model, self._layer_specs, recorder.cells.taps)

@@ -11,7 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from .sinks.tensorboard import ALERTS_TAG, LAYERS_TAG, PREFIX, parse_alerts_markdown, parse_layers_markdown
+from .config import HealthConfig
+from .sinks.tensorboard import (
+    ALERTS_TAG, LAYERS_TAG, PREFIX, parse_alerts_markdown, parse_layers_markdown, parse_thresholds_markdown,
+)
 
 
 class ReportError(Exception):
@@ -37,6 +40,8 @@ class RunReport:
     last_step: int
     layers: list[LayerSummary] = field(default_factory=list)
     alerts: list[dict[str, Any]] = field(default_factory=list)
+    #: why a value shown over a threshold raised no alert, one line per such value
+    notes: list[str] = field(default_factory=list)
 
 
 def read_runs(logdir: str) -> list[RunReport]:
@@ -53,6 +58,7 @@ def read_runs(logdir: str) -> list[RunReport]:
         scalars: dict[str, dict[int, float]] = {}
         texts: list[str] = []
         layer_order: list[str] = []
+        thresholds: dict[str, Any] | None = None
         for path in paths:
             acc = EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 0})
             acc.Reload()
@@ -68,8 +74,11 @@ def read_runs(logdir: str) -> list[RunReport]:
                     for event in acc.Tensors(tag)[:1]:
                         text = b"".join(event.tensor_proto.string_val).decode("utf-8", "replace")
                         layer_order = parse_layers_markdown(text)
+                        thresholds = parse_thresholds_markdown(text)
         if scalars:
-            reports.append(_summarise(run, scalars, texts, layer_order))
+            report = _summarise(run, scalars, texts, layer_order)
+            report.notes = _unalerted_values(report, thresholds)
+            reports.append(report)
     if not reports:
         raise ReportError(f"no gradwatch data (TensorBoard scalars under '{PREFIX}/') in {logdir}")
     return reports
@@ -124,6 +133,33 @@ def _summarise(
     return report
 
 
+def _unalerted_values(report: RunReport, thresholds: dict[str, Any] | None) -> list[str]:
+    """Why a value the table shows over a threshold raised no alert (the rules judge more than the
+    one figure a column shows). Logs written before the thresholds were: the defaults, said so."""
+    known = thresholds is not None
+    th = {**HealthConfig().report_thresholds(), **(thresholds or {})}
+    source = "" if known else " (default thresholds: this log does not record its own)"
+    alerted = {(a.get("kind"), a.get("layer")) for a in report.alerts}
+    notes = []
+    for s in report.layers:
+        if s.dead_fraction is not None and s.dead_fraction >= th["dead_fraction"] and ("dead_units", s.layer) not in alerted:
+            notes.append(
+                f"{s.layer}: dead {s.dead_fraction:.0%} is the last window's own evidence, at or over dead_fraction "
+                f"{th['dead_fraction']:.0%}{source}, but no dead_units alert: the rule raises one only once a window "
+                f"that records every step confirms it, and none did (the run ended first, or the units fired on "
+                f"steps the default detail does not sample), from at least {th['dead_min_samples']:g} samples and in layers of {th['dead_min_units']:g} "
+                f"units or more"
+            )
+        ratio = s.update_ratio_median
+        if ratio is not None and ratio > th["update_ratio_max"] and ("update_ratio", s.layer) not in alerted:
+            notes.append(
+                f"{s.layer}: update ratio {ratio:.2g} (median) is over update_ratio_max {th['update_ratio_max']:g}"
+                f"{source}, but no update_ratio alert: the rule needs {th['update_ratio_steps']:g} consecutive "
+                f"measured optimizer steps over it, and does not measure weights still near a zero initialisation"
+            )
+    return notes
+
+
 def _layer_order(scalars: dict[str, dict[int, float]]) -> list[str]:
     # Logs without the gradwatch/layers text: fall back to a numeric-aware name order.
     names = [t[len(PREFIX) + len("/grad_norm/"):] for t in scalars if t.startswith(f"{PREFIX}/grad_norm/")]
@@ -151,6 +187,7 @@ def to_json(reports: list[RunReport]) -> str:
                         for s in r.layers
                     ],
                     "alerts": r.alerts,
+                    "notes": r.notes,
                 }
                 for r in reports
             ],
@@ -188,6 +225,9 @@ def to_text(reports: list[RunReport]) -> str:
         fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
         lines.append(fmt.format(*header))
         lines.extend(fmt.format(*row) for row in rows)
+        if r.notes:
+            lines.append("over a threshold without an alert:")
+            lines.extend(f"  {note}" for note in r.notes)
         if r.alerts:
             lines.append("alerts:")
             lines.extend(f"  {a['message']}" for a in r.alerts)

@@ -214,10 +214,11 @@ class OutputTap:
         try:
             if torch.is_grad_enabled():
                 self._record_outputs(output)
-            elif self.plan.sampling:
-                # No gradient will flow from this call: nothing to record but the forward order.
-                # Reentrant activation checkpointing runs its blocks' first forward so; their
-                # recomputation in backward, with grad, records the rest but not the order.
+            elif self.plan.sampling and _compat.in_reentrant_checkpoint():
+                # Reentrant activation checkpointing runs its blocks' first forward without grad:
+                # that call marks the forward order, nothing else; their recomputation inside
+                # backward, with grad, records the rest but not the order. (Other calls without
+                # grad, an evaluation, record nothing.)
                 self._mark_forward_order(output)
         except Exception as exc:  # never break training; reported at step() (nothing raises when traced)
             self.failed(exc)

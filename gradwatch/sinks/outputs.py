@@ -33,15 +33,23 @@ class Outputs:
         failures: where a sink's failure is reported (once, then rare reminders).
         logdir: a folder for a TensorBoard writer gradwatch owns (None: none).
         writer: the user's ``SummaryWriter`` (used, never closed), or None.
+        thresholds: the health checks' thresholds, written beside the layer list for ``gradwatch report``.
     """
 
-    def __init__(self, failures: FailureLog, logdir: str | None, writer: Any) -> None:
+    def __init__(self, failures: FailureLog, logdir: str | None, writer: Any,
+                 thresholds: dict[str, Any] | None = None) -> None:  # fmt: skip
         self._failures = failures
         self._logdir = logdir
-        self.tensorboard: TensorBoardSink | None = TensorBoardSink(writer, owns_writer=False) if writer is not None else None
+        self._thresholds = thresholds
+        self.tensorboard: TensorBoardSink | None = self._sink(writer, owns_writer=False) if writer is not None else None
         #: (log name, callback) of each metrics callback: every flushed step's scalars, in step order
         self.callbacks: list[tuple[str, MetricsCallback]] = []
         self._open_own_writer()
+
+    def _sink(self, writer: Any, owns_writer: bool) -> TensorBoardSink:
+        sink = TensorBoardSink(writer, owns_writer=owns_writer)
+        sink.thresholds = self._thresholds
+        return sink
 
     def add_callback(self, callback: MetricsCallback) -> None:
         self.callbacks.append((f"sending metrics to {describe(callback)}", callback))
@@ -57,7 +65,7 @@ class Outputs:
             # A deep queue so that a flush's events never wait for the writer thread;
             # flush_secs bounds how stale the files on disk can be.
             writer = SummaryWriter(log_dir=self._logdir, max_queue=1000, flush_secs=30)
-            return TensorBoardSink(writer, owns_writer=True)
+            return self._sink(writer, owns_writer=True)
 
         self.tensorboard = self._failures.guarded("opening the TensorBoard writer", open_writer)
 

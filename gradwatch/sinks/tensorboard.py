@@ -63,10 +63,18 @@ def alerts_markdown(alerts: list[Alert], steps: tuple[int, int]) -> str:
     return "\n".join(lines)
 
 
-def layers_markdown(layers: list[str]) -> str:
-    """The monitored layers on one line to read, and as JSON (in a comment) to parse."""
+def layers_markdown(layers: list[str], thresholds: dict[str, Any] | None = None) -> str:
+    """The monitored layers on one line to read, and as JSON (in a comment) to parse; with the
+    health checks' thresholds (``gradwatch report`` explains values over them without an alert)."""
     shown = ", ".join(f"`{name}`" for name in layers)
-    return f"**{len(layers)} monitored layers**, in module order: {shown}\n\n{_json_comment('layers', layers)}"
+    text = f"**{len(layers)} monitored layers**, in module order: {shown}\n\n{_json_comment('layers', layers)}"
+    return text if thresholds is None else f"{text}\n\n{_json_comment('thresholds', thresholds)}"
+
+
+def parse_thresholds_markdown(text: str) -> dict[str, Any] | None:
+    """The thresholds :func:`layers_markdown` wrote (None: logs written before they were)."""
+    found = _json_comments("thresholds", text)
+    return dict(found[0]) if found else None
 
 
 def parse_layers_markdown(text: str) -> list[str]:
@@ -136,6 +144,8 @@ class TensorBoardSink:
         self._heatmap_cost: float | None = None  # seconds the last drawing took; None: draw now
         self._undrawn: Window | None = None  # the newest window not drawn yet
         self._heatmap: GradientFlowHeatmap | None = None
+        #: the health checks' thresholds, written with the layer list (None: not written)
+        self.thresholds: dict[str, Any] | None = None
 
     def write(self, w: Window, alerts: list[Alert], total_alerts: int, final: bool = False) -> None:
         """Write one window's scalars at the steps they describe, then its alerts."""
@@ -144,7 +154,7 @@ class TensorBoardSink:
         if not self.layout_written:
             layers = self.layout_layers or w.layers
             self.writer.add_custom_scalars(custom_scalars_layout(layers))
-            self.writer.add_text(LAYERS_TAG, layers_markdown(layers), first)
+            self.writer.add_text(LAYERS_TAG, layers_markdown(layers, self.thresholds), first)
             self.layout_dir = self.log_dir or ""
         for step, values in window_scalars(w, total_alerts, dashboard=True):
             self._add_scalars(values, step)

@@ -450,3 +450,35 @@ def test_the_heatmaps_companion_image_shows_each_layers_output_statistics(tmp_pa
     assert "gradwatch/layer_outputs" in acc.Tags()["images"]
     image = acc.Images("gradwatch/layer_outputs")[-1]
     assert image.step == 4 and image.width == 360 and image.height > 100
+
+
+def test_report_explains_a_value_over_a_threshold_without_an_alert(tmp_path, capsys):
+    # One 25-step window of units that fire on ~1% of rows: on the default's two sampled steps
+    # more than 40% of them look silent, which the table shows as "dead",
+    # over dead_fraction, with no alert (the rule confirms on every step of a later window).
+    # The report says why, with the run's own thresholds (dead_fraction=0.4 here, not the default).
+    import torch
+
+    from gradwatch import GradMonitor, HealthConfig
+
+    from ..detect.test_detection_rules import _rarely_active_layer
+
+    gate, model = _rarely_active_layer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = GradMonitor(model, flush_every=25, optimizer=opt, logdir=str(tmp_path / "run"),
+                          config=HealthConfig(dead_fraction=0.4))  # fmt: skip
+    for _ in range(25):
+        model(torch.randn(32, 16)).sum().backward()
+        monitor.step()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    assert not monitor.alerts
+    assert main(["report", str(tmp_path), "--format", "json"]) == 0
+    run = json.loads(capsys.readouterr().out)["runs"][0]
+    dead = {layer["layer"]: layer["dead_fraction"] for layer in run["layers"]}
+    assert dead["0"] >= 0.4 and dead["2"] < 0.4
+    assert len(run["notes"]) == 1 and run["notes"][0].startswith("0: dead")
+    assert "dead_fraction 40%" in run["notes"][0] and "no dead_units alert" in run["notes"][0]
+    main(["report", str(tmp_path)])
+    assert "over a threshold without an alert:" in capsys.readouterr().out
