@@ -4,11 +4,14 @@
     python benchmarks/corpus.py --quick          # the smoke subset the test suite runs
     python benchmarks/corpus.py --json out.json  # also every run's outcome
 
-Runs are generated, not hand-picked: 5 model families (ReLU MLP, CNN with BatchNorm,
-pre-norm residual MLP, GRU, small pre-norm Transformer) x 5 fault kinds x seeds, and
+Runs are generated, not hand-picked: 6 model families (ReLU MLP, CNN with BatchNorm,
+pre-norm residual MLP, GRU, small pre-norm Transformer, a mixture of experts whose last expert
+runs one step in three) x 5 fault kinds x seeds, and
 healthy recipes chosen to fool naive rules (warm-up and cosine decay, dropout, class
 imbalance, batch size 1, a plateau of random labels, a high start that settles, a step
-decay, layer scale 1e-6, zero-initialised gates). Each seed draws the optimizer (SGD with
+decay, layer scale 1e-6, zero-initialised gates, a loss weight ramped x30, a layer unfrozen
+mid-run, a GradScaler that recalibrates, a converging exact-fit regression, zero_grad that
+keeps idle experts' zeros). Each seed draws the optimizer (SGD with
 momentum, Adam, AdamW), flush_every (10 or 25) and the fault step.
 
 Faults, injected at step ``f``:
@@ -176,6 +179,25 @@ class Transformer(nn.Module):
         return self.head(self.norm(x).mean(1))
 
 
+class MoE(nn.Module):
+    """A mixture of experts whose last expert gets tokens one step in three (an idle expert on the
+    other two: not called, so its gradient stays None, or zeros with zero_grad(set_to_none=False))."""
+
+    def __init__(self, dropout: float = 0.0, width: int = 32) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, width)
+        self.experts = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+        self.head = nn.Linear(width, CLASSES)
+        self.drop = nn.Dropout(dropout)
+        self.calls = 0
+
+    def forward(self, x):
+        h = self.drop(torch.relu(self.inp(x)))
+        active = self.experts[:3] if self.calls % 3 else self.experts
+        self.calls += 1
+        return self.head(sum(torch.relu(expert(h)) for expert in active) / len(active))
+
+
 @dataclass
 class Family:
     name: str
@@ -195,6 +217,7 @@ FAMILIES = {
     "gru": Family("gru", GRUNet, (10, 8), dead_layer="fc", gate_layer="gru", nan_layer="fc"),
     "transformer": Family("transformer", Transformer, (6, 8), dead_layer="blocks.1.mlp.fc1", gate_layer="embed",
                           nan_layer="blocks.1.mlp.fc1", scaled=True),
+    "moe": Family("moe", MoE, (16,), dead_layer="inp", gate_layer="inp", nan_layer="experts.0"),
 }  # fmt: skip
 
 
@@ -209,7 +232,8 @@ class Recipe:
     batch: int = 32
     dropout: float = 0.0
     scale: str = ""  # layer_scale | zero_gate (families that take it)
-    labels: str = "teacher"  # teacher | imbalanced | random
+    labels: str = "teacher"  # teacher | imbalanced | random | regression (a perturbed copy of the model: the
+    #: fit is exact, the loss falls by decades and every layer's gradient with it: convergence)
     schedule: str = ""  # warmup_cosine | step_decay
     high_start: bool = False  # the head starts 10x too large: gradient norms start high and settle
     #: the loss weight ramped to x30 over steps 60-99 and kept: a lasting change of scale (an abrupt
@@ -217,6 +241,11 @@ class Recipe:
     loss_weight_change: bool = False
     unfreeze_at: int = 0  # the first layer is frozen until this step (gradual unfreezing)
     scaler: bool = False  # a GradScaler that recalibrates: Inf gradients at steps 0-2, then none
+    keep_grads: bool = False  # zero_grad(set_to_none=False): idle layers keep a zero gradient
+    #: convergence compressed into the run: the loss weight falls 1e-6 over it, so every layer's
+    #: gradient falls six decades together (an exact fit converges so, but slower than 130 steps:
+    #: measured, 1-2 decades here without it)
+    converge: bool = False
 
 
 HEALTHY = [
@@ -234,8 +263,24 @@ HEALTHY = [
     Recipe("loss weight ramped to x30 from step 60, Adam", "adam", loss_weight_change=True),
     Recipe("first layer unfrozen at step 40, AdamW", "adamw", unfreeze_at=40),
     Recipe("GradScaler that recalibrates, Adam", "adam", scaler=True),
+    Recipe("converging regression (exact fit, gradients down 6 decades), SGD", "sgd", labels="regression",
+           converge=True),
+    Recipe("zero_grad(set_to_none=False) (idle experts keep zeros), AdamW", "adamw", keep_grads=True),
 ]
 _LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
+
+
+def regression_teacher(model: nn.Module) -> nn.Module:
+    """A copy of the model with every weight moved by half its tensor's spread: a target the model
+    can fit exactly (so the loss falls by decades), fixed for the run."""
+    import copy
+
+    teacher = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(torch.randn_like(p) * 0.5 * (p.std() if p.numel() > 1 else p.abs().clamp_min(0.1)))
+    teacher.requires_grad_(False)
+    return teacher
 
 
 def make_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
@@ -506,6 +551,7 @@ def execute(run: Run) -> Outcome:
     if recipe.high_start:
         with torch.no_grad():
             model.head.weight.mul_(10.0)
+    teacher = regression_teacher(model) if recipe.labels == "regression" else None
     opt = make_optimizer(model, recipe)
     base_lr = [g["lr"] for g in opt.param_groups]
     data = Data(family, recipe, run.seed)
@@ -563,9 +609,16 @@ def execute(run: Run) -> Outcome:
         logits = model(x)
         if scaler is not None and (t < 3 if not persistent_skips else t >= f):  # Inf gradients: the scaler skips
             logits.register_hook(lambda g: g * float("inf"))
-        loss = nn.functional.cross_entropy(logits, y)
+        if teacher is not None:
+            with torch.no_grad():
+                target = teacher(x)
+            loss = nn.functional.mse_loss(logits, target)
+        else:
+            loss = nn.functional.cross_entropy(logits, y)
         if run.kind == "exploding" and (t == f or (run.variant == "lasting" and t > f)):
             loss = loss * 1e4
+        if recipe.converge:
+            loss = loss * 10.0 ** (-6 * t / STEPS)
         if recipe.loss_weight_change and t >= 60:
             loss = loss * 30.0 ** min(1.0, (t - 60) / 40)
         if scaler is not None:
@@ -582,7 +635,7 @@ def execute(run: Run) -> Outcome:
         else:
             opt.step()
         truth.after_update()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=not recipe.keep_grads)
         injected["nan_now"] = injected["inf_now"] = False
     monitor.close()
     for a in monitor.alerts:
