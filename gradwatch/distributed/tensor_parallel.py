@@ -27,13 +27,13 @@ dim is data parallelism, whose ranks see different data and add up.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from ..capture.layers import LayerSpec
+from .._compat import parallel
 from .sharding import is_dtensor
 
 
@@ -55,7 +55,7 @@ def output_shares(model: nn.Module, layers: list[LayerSpec]) -> list[OutputShare
     Sets ``layer.units`` of a split layer to this rank's slice, so that its taps judge the
     output the rank really holds.
     """
-    fsdp_specs = _fsdp_tensor_parallel_specs(model)
+    fsdp_specs = parallel.fsdp_tensor_parallel_specs(model)
     specs = [_layer_spec(layer, fsdp_specs) for layer in layers]
     group = max((spec.mesh.size() for spec in specs if spec is not None), default=1)
     if group == 1:
@@ -73,43 +73,13 @@ def _shares(layers: list[LayerSpec], specs: list[Any], group: int) -> list[Outpu
     shares = []
     for layer, spec in zip(layers, specs):
         share = OutputShare(units=layer.units, out_weight=1.0 / group, count_weight=1.0 / group)
-        layout = _declared_output(layer.module)
+        layout = parallel.declared_output(layer.module)
         if layout == "rows":  # each rank holds other rows of every unit: they add up
             share.out_weight = share.count_weight = 1.0
         elif spec is not None and layout in (None, "units"):
             _split_units(layer, spec, share)
         shares.append(share)
     return shares
-
-
-def _declared_output(module: Any) -> str | None:
-    """How the module's parallel style lays its output out: "units" (sharded on the last dim),
-    "rows" (sharded on another dim: tokens, batch), "repeated" (Replicate), None (no style found).
-
-    ``parallelize_module`` registers a forward hook whose closure holds the style's
-    ``_prepare_output_fn`` with its ``output_layouts``; ``SequenceParallel``'s output keeps the
-    sequence sharding of its input.
-    """
-    for hook in list(getattr(module, "_forward_hooks", {}).values()):
-        for cell in getattr(hook, "__closure__", None) or ():
-            try:
-                fn = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if not isinstance(fn, functools.partial):
-                continue
-            name = getattr(fn.func, "__qualname__", "")
-            if name.endswith("SequenceParallel._prepare_output_fn"):
-                return "rows"
-            if name.endswith("Parallel._prepare_output_fn") and fn.args:
-                layouts = fn.args[0]
-                placement = layouts[0] if isinstance(layouts, (tuple, list)) and layouts else layouts
-                if getattr(placement, "is_replicate", lambda: False)():
-                    return "repeated"
-                dim = getattr(placement, "dim", None)
-                if isinstance(dim, int):
-                    return "units" if dim == -1 else "rows"
-    return None
 
 
 def _split_units(layer: LayerSpec, spec: Any, share: OutputShare) -> None:
@@ -125,9 +95,7 @@ def _split_units(layer: LayerSpec, spec: Any, share: OutputShare) -> None:
             pieces *= mesh.size(mesh_dim)
     if pieces == 1:
         return
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    local_shape, offset = compute_local_shape_and_global_offset(tuple(weight.shape), mesh, placements)
+    local_shape, offset = parallel.local_shape_and_offset(tuple(weight.shape), mesh, placements)
     share.out_weight = pieces / mesh.size()
     share.count_weight = 1.0 / mesh.size()
     share.unit_offset = int(offset[dim])
@@ -144,28 +112,4 @@ def _layer_spec(layer: LayerSpec, fsdp_specs: dict[int, Any]) -> Any:
     weight = _weight(layer)
     if id(weight) in fsdp_specs:
         return fsdp_specs[id(weight)]
-    return weight._spec if is_dtensor(weight) else None
-
-
-def _fsdp_tensor_parallel_specs(model: nn.Module) -> dict[int, Any]:
-    """id(parameter) -> the tensor-parallel spec FSDP2 keeps for it (None: FSDP alone shards it).
-
-    FSDP2 shards parameters on its own data-parallel mesh dim; the placements that describe
-    tensor parallelism are those of the parameter it was given. Read from FSDP2's parameter
-    group (private API): when that changes, FSDP2 parameters count as not tensor parallel.
-    """
-    specs: dict[int, Any] = {}
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return specs
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        try:
-            group = module._get_fsdp_state()._fsdp_param_group
-            for fsdp_param in group.fsdp_params if group is not None else ():
-                specs[id(fsdp_param.sharded_param)] = getattr(fsdp_param, "_unsharded_dtensor_spec", None)
-        except Exception:
-            continue
-    return specs
+    return parallel.dtensor_spec(weight) if is_dtensor(weight) else None

@@ -20,7 +20,6 @@ import sys
 import types
 from typing import Any, Iterable
 
-import torch
 from torch import nn
 
 log = logging.getLogger("gradwatch")
@@ -152,78 +151,3 @@ def forget_compiled_frames(model: nn.Module, wrappers: Iterable[nn.Module] = ())
         except Exception as exc:  # never break a run over a cache
             log.debug("gradwatch: could not reset dynamo's cache of %s: %s", code.co_name, exc)
     return dropped
-
-
-# --------------------------------------------------------------------------- GradScaler
-# torch.amp.GradScaler has no public, sync-free way to read its scale or whether it unscaled an
-# optimizer: get_scale() copies the scale to the host, and unscale_'s bookkeeping is private.
-# Each read below names the private field and falls back (with one WARNING) where it is gone.
-_warned_scaler: set[str] = set()
-
-
-def _warn_scaler_once(what: str, fallback: str) -> None:
-    if what not in _warned_scaler:
-        _warned_scaler.add(what)
-        log.warning("gradwatch: this torch's GradScaler has no %s; %s", what, fallback)
-
-
-def scaler_scale(scaler: Any) -> Any:
-    """The scale as a device tensor (``GradScaler._scale``: get_scale() would synchronise); None
-    before the first scaled backward. Fallback: ``get_scale()`` (a host float; one sync per step)."""
-    if hasattr(scaler, "_scale"):
-        return scaler._scale
-    _warn_scaler_once("_scale tensor", "gradwatch reads get_scale() at each step (one host sync per step)")
-    import torch
-
-    return torch.tensor(float(scaler.get_scale()))
-
-
-def scaler_unscaled(scaler: Any, optimizer: Any = None) -> bool | None:
-    """Whether ``scaler.unscale_(optimizer)`` ran for this step (``GradScaler._per_optimizer_states``
-    stage UNSCALED, or STEPPED: ``scaler.step`` unscales first; an optimizer the scaler has not seen
-    this step is not unscaled). ``optimizer=None``: whether any optimizer was. None when this
-    torch's GradScaler has no such field (one WARNING)."""
-    states = getattr(scaler, "_per_optimizer_states", None)
-    if not isinstance(states, dict):
-        _warn_scaler_once(
-            "_per_optimizer_states", "gradwatch cannot tell whether gradients were unscaled and takes them as unscaled"
-        )
-        return None
-    done = ("UNSCALED", "STEPPED")
-    if optimizer is None:
-        return any(getattr(state.get("stage"), "name", "") in done for state in states.values())
-    state = states.get(id(getattr(optimizer, "optimizer", optimizer))) or {}
-    return getattr(state.get("stage"), "name", "") in done
-
-
-def in_backward() -> bool:
-    """Whether this runs inside a backward pass: a forward recomputed there by reentrant activation
-    checkpointing (whose first forward ran without grad) is not the forward order. False while
-    dynamo traces (the recomputation is then inside a compiled graph, and the call is not
-    traceable) and where the private API is missing."""
-    if torch.compiler.is_compiling():
-        return False
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() >= 0
-
-
-_REENTRANT_DEPTH = 64  # frames searched for the reentrant checkpoint's forward
-
-
-def in_reentrant_checkpoint() -> bool:
-    """Whether this runs inside reentrant activation checkpointing's first forward (run without
-    grad; the layers run again, with grad, inside backward). Found on the Python stack, as torch
-    keeps no flag for it: only called for forward calls made without grad, on sampled steps.
-    False while dynamo traces and where torch has no ``CheckpointFunction``."""
-    if torch.compiler.is_compiling():
-        return False
-    function = getattr(getattr(torch.utils, "checkpoint", None), "CheckpointFunction", None)
-    code = getattr(getattr(function, "forward", None), "__code__", None)
-    frame = sys._getframe(1)
-    for _ in range(_REENTRANT_DEPTH):
-        if frame is None:
-            return False
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False

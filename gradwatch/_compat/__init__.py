@@ -1,0 +1,16 @@
+"""Every private or unstable torch API gradwatch reads, one module per concern, each with its
+fallback: ``dynamo`` (compiled code and gradwatch's hooks, the user's names), ``amp`` (GradScaler
+state without a sync), ``autograd`` (where a forward call runs), ``parallel`` (tensor parallelism
+and FSDP2 layouts). Elsewhere gradwatch uses only what torch's own utilities use the same way
+(``torch._foreach_*`` kernels as in ``clip_grad``, ``torch._C._set_grad_enabled``) and tensors'
+version counters (``capture/freshness.py``)."""
+
+from . import parallel
+from .amp import scaler_scale, scaler_unscaled
+from .autograd import in_backward, in_reentrant_checkpoint
+from .dynamo import forget_compiled_frames, guard_on_hooks, release_hook_guards, unwrap, user_name
+
+__all__ = [
+    "parallel", "scaler_scale", "scaler_unscaled", "in_backward", "in_reentrant_checkpoint",
+    "forget_compiled_frames", "guard_on_hooks", "release_hook_guards", "unwrap", "user_name",
+]
