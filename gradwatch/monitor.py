@@ -14,11 +14,9 @@ from .alerts import Alert, GradientHealthError
 from .capture.attach import build_recorder, build_updates
 from .capture.hooks import HookSet
 from .capture.layers import discover_layers, frozen_layers
-from .capture.param_stats import ModelMoved
 from .capture.watch import ModelWatch
 from .config import HealthConfig
 from .detect.assemble import assemble
-from .detect.checks import Assessment
 from .distributed.agreement import agree_on_layout
 from .distributed.collectives import Collectives
 from .distributed.tensor_parallel import output_shares
@@ -27,12 +25,11 @@ from .flush.reader import WindowReader
 from .flush.window import Window
 from .settings import DETAILS, check_device, check_outputs, check_settings, check_step_number, check_window_size
 from .settings import warn_about_wrappers
+from .pipeline import StepPipeline
 from .sinks.outputs import Outputs
+from .state import restore_state, saved_state
 
 log = logging.getLogger("gradwatch")
-
-_STATE_VERSION = 1
-
 
 class GradMonitor:
     """Per-layer gradient statistics kept on the training device, flushed every ``flush_every`` steps.
@@ -108,24 +105,31 @@ class GradMonitor:
         collectives, recorder, config = self._collectives, self._recorder, self.config
         mesh = agree_on_layout(collectives, self._layer_specs, recorder, self._output_shares, self._failures)
         self._names = list(mesh.names) if mesh is not None else [layer.name for layer in self._layer_specs]
-        self._reader = WindowReader(recorder, collectives, self._failures, mesh)
         is_writer = collectives.rank == 0  # only rank 0 writes
         detection = assemble(config, self._names, optimizer, recorder, mesh is not None, self._failures,
                              self._scaler, is_writer)  # fmt: skip
         self._checks, self._tracker, self._judge = detection.checks, detection.tracker, detection.judge
         self._per_step = detection.per_step
-        self._alerts_since_flush: list[Alert] = []  # raised by step() since the last flush, for its text
-        self._window_steps: list[int] = []
         self._watch = ModelWatch(recorder, frozen_layers(model, self._include, self._exclude), self._layer_specs)
-        self.last_window: Window | None = None  # the most recent flushed window
         self._is_writer = is_writer
         self._outputs = Outputs(self._failures, str(logdir) if is_writer and logdir else None, writer if is_writer else None,
                                 config.report_thresholds())  # fmt: skip
+        self._pipeline = StepPipeline(
+            recorder, self._watch, WindowReader(recorder, collectives, self._failures, mesh), detection, self._outputs,
+            config, self._failures, self.flush_every, self._scaler, self.histograms,
+        )  # fmt: skip
+        self._pipeline.layers, self._pipeline.optimizer, self._pipeline.updates = self._layer_specs, optimizer, self._updates
         if metrics_callback is not None:
             self.add_metrics_callback(metrics_callback)
         self._hooks = HookSet(model, self._layer_specs, recorder.cells.taps)
 
     # ------------------------------------------------------------ properties
+    @property
+    def last_window(self) -> Window | None:
+        """The most recent flushed window (numpy arrays; None before the first flush)."""
+        pipeline = getattr(self, "_pipeline", None)
+        return pipeline.last_window if pipeline is not None else None
+
     @property
     def layers(self) -> list[str]:
         """Monitored layer names, in module order (every rank's, when ranks hold different layers)."""
@@ -184,6 +188,7 @@ class GradMonitor:
         new = build_updates(self, self._recorder, optimizer, self.flush_every)  # raises before anything changes
         self._updates.remove()
         self._updates, self._optimizer = new, optimizer
+        self._pipeline.optimizer, self._pipeline.updates = optimizer, new
         self._watch.optimizer_steps_seen = 0
 
     def add_alert_callback(self, callback: Callable[[Alert], None]) -> None:
@@ -224,29 +229,8 @@ class GradMonitor:
             return []
         step = self._next_step if global_step is None else global_step
         self._watch.check_step_number(step, self._next_step)
-        if not grads_scaled and self._scaler is not None:
-            grads_scaled = self._watch.still_scaled(self._scaler, self._optimizer)
-        try:
-            self._recorder.record_step(params_scaled=grads_scaled)
-        except ModelMoved as exc:  # the row is marked failed, nothing more is recorded
-            self._watch.stop_recording(str(exc))
-        except Exception as exc:  # never break a healthy run; the row is marked failed
-            self._recorder.hook_failed("step()", exc)
-        self._watch.backward.remember()
-        self._window_steps.append(step)
         self._next_step = step + 1
-        new = self._judge.judge(self._recorder.slot - 1, self._window_steps) if self._per_step else []
-        self._alerts_since_flush += new
-        if self._recorder.slot >= self.flush_every:
-            try:
-                new = new + self.flush()
-            except GradientHealthError as exc:
-                exc.alerts[:0] = [a for a in new if a.kind in self.config.stop_on]
-                raise
-        stopping = [a for a in new if a.kind in self.config.stop_on]
-        if stopping:
-            raise GradientHealthError(stopping)
-        return new
+        return self._pipeline.step(step, grads_scaled)
 
     def flush(self) -> list[Alert]:
         """Move buffered statistics to the host, write them, run the health checks; returns new alerts.
@@ -254,40 +238,7 @@ class GradMonitor:
         Raises:
             GradientHealthError: an alert of a kind in ``config.stop_on``.
         """
-        return self._flush(final=False)
-
-    def _flush(self, final: bool) -> list[Alert]:
-        recorder = self._recorder
-        if recorder.slot == 0 and not recorder.update_steps:
-            return []
-        self._watch.check_parameters(self._layer_specs)
-        skipping = self._checks.scaler_skips.streak > 0  # a GradScaler skipping: the optimizer does not step
-        self._watch.check_optimizer_steps(self._updates, self._window_steps, self.flush_every, skipping)
-        self._watch.check_unfrozen()
-        early = self._judge.finish_window(self._window_steps) if self._per_step else []
-        steps, self._window_steps = self._window_steps, []
-        try:
-            scaler_in_use = self._scaler is not None and self._scaler.is_enabled()
-            window = self._reader.read(steps, self.config.dead_eps, scaler_in_use)
-        finally:
-            recorder.reset_window()
-        if window is None:
-            return early
-        assessment = self._failures.guarded("the health checks", lambda: self._checks.check(window), Assessment())
-        recorder.layout.full_window = self._checks.wants_every_step  # dead units to confirm on every step
-        last_step = max(steps + window.update_steps)
-        new = early + self._failures.guarded("alert tracking", lambda: self._tracker.update(assessment, last_step), [])
-        of_window, self._alerts_since_flush = self._alerts_since_flush + new, []  # the text shows them all
-        if self._outputs is not None:
-            histograms = self._histogram_grads if self.histograms else None
-            self._outputs.write(window, of_window, self._tracker.raised, final, histograms)
-        if window.steps:  # not a window of update measurements alone
-            self.last_window = window
-            self._watch.check_hooks_ran(window)
-        stopping = [a for a in new if a.kind in self.config.stop_on]
-        if stopping:
-            raise GradientHealthError(stopping)
-        return new
+        return self._pipeline.flush(final=False)
 
     def _share_dashboard(self, layers: list[str], writes_layout: bool) -> None:
         """One of several monitors of one model on one writer (one per optimizer): the dashboard
@@ -295,10 +246,6 @@ class GradMonitor:
         board = self._outputs.tensorboard if self._outputs is not None else None
         if board is not None:
             board.share_layout(layers, writes_layout)
-
-    def _histogram_grads(self) -> list[tuple[str, list[torch.Tensor]]]:
-        named = [(layer.name, [p.grad for p in layer.params if p.grad is not None]) for layer in self._layer_specs]
-        return [(name, grads) for name, grads in named if grads]
 
     # --------------------------------------------------------------- closing
     def close(self) -> None:
@@ -311,7 +258,7 @@ class GradMonitor:
             return
         self._closed = True
         try:
-            self._flush(final=True)
+            self._pipeline.flush(final=True)
         except GradientHealthError as exc:
             log.error("gradwatch: %s", exc)
         finally:
@@ -331,6 +278,8 @@ class GradMonitor:
         if outputs is not None:
             outputs.close()
         self._layer_specs = []
+        if getattr(self, "_pipeline", None) is not None:
+            self._pipeline.layers, self._pipeline.optimizer, self._pipeline.updates = [], None, None
 
     def __enter__(self) -> "GradMonitor":
         return self
@@ -354,23 +303,13 @@ class GradMonitor:
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs: step count, detector baselines, alert state (bounded in size)."""
         board = self._outputs.tensorboard if self._outputs is not None else None
-        return {
-            "version": _STATE_VERSION, "next_step": self._next_step, "layers": list(self._names),
-            "checks": self._checks.state_dict(), "tracker": self._tracker.state_dict(),
-            "layout_dir": board.layout_dir if board is not None else None,  # the layout belongs to a log folder
-        }  # fmt: skip
+        return saved_state(self._next_step, self._names, self._checks, self._tracker, board)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (layers matched by name). Raises ValueError for anything else."""
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            raise ValueError("not a gradwatch GradMonitor state_dict (or from an incompatible version)")
-        self._next_step = int(state["next_step"])
-        self._checks.load_state_dict(state["checks"])
-        self._recorder.layout.full_window = self._checks.wants_every_step  # a confirmation carried over
-        self._tracker.load_state_dict(state["tracker"])
         board = self._outputs.tensorboard if self._outputs is not None else None
-        if board is not None:
-            board.restore_layout_dir(state.get("layout_dir"))
+        self._next_step = restore_state(state, self._checks, self._tracker, board)
+        self._recorder.layout.full_window = self._checks.wants_every_step  # a confirmation carried over
 
 
 def _scale_of(scaler: Any) -> torch.Tensor | None:

@@ -81,3 +81,16 @@ class TwoBranch(nn.Module):
         h = torch.tanh(self.shared(h))
         h = torch.tanh(self.shared(input=h))
         return self.head(h)
+
+
+@pytest.fixture
+def gloo(tmp_path):
+    """Run a scenario in real gloo processes (CPU): ``gloo("tests.distributed.fsdp_worker:body", 2,
+    "flat")`` calls ``body(rank, world, "flat")`` on each of 2 ranks and returns each rank's JSON.
+    Every distributed test starts its processes this way (``tests/gloo_worker.py``)."""
+    from .dist_helpers import spawn
+
+    def run(scenario: str, world: int, *args: str, timeout: float = 240) -> list:
+        return spawn("tests.gloo_worker", world, str(tmp_path / "out"), *args, timeout=timeout, scenario=scenario)
+
+    return run

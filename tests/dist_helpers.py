@@ -19,8 +19,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(module: str, world: int, out_path: str, *args: str, timeout: float = 240) -> list[dict[str, Any]]:
-    """Run ``python -m module rank world port out_path *args`` in ``world`` processes; return each rank's JSON.
+def spawn(module: str, world: int, out_path: str, *args: str, timeout: float = 240,
+          scenario: str | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Run ``python -m module [scenario] rank world port out_path *args`` in ``world`` processes;
+    return each rank's JSON. (Tests use the ``gloo`` fixture: ``tests.gloo_worker`` with a scenario.)
 
     Fails with every rank's output when a process exits non-zero (a crash, an abort,
     a hang past ``timeout``).
@@ -28,7 +30,8 @@ def spawn(module: str, world: int, out_path: str, *args: str, timeout: float = 2
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", module, str(rank), str(world), str(port), out_path, *args],
+            [sys.executable, "-m", module, *([scenario] if scenario else []), str(rank), str(world), str(port),
+             out_path, *args],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         for rank in range(world)

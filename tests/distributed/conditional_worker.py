@@ -1,6 +1,6 @@
 """Conditional compute across ranks (gloo, CPU): layers called in different orders, one on rank 0 only.
 
-    python -m tests.distributed.conditional_worker RANK WORLD PORT OUT [ok|mismatch|fail]
+    gloo("tests.distributed.conditional_worker:body", 2[, "ok"|"subset"|"mismatch"|"fail"|"collective"])  (the gloo fixture: tests/conftest.py)
 
 Rank 0 calls ``a`` before ``b`` and runs ``expert``; rank 1 calls ``b`` before ``a``
 and never runs ``expert`` (a mixture-of-experts route, a branch taken by some
@@ -20,12 +20,10 @@ every rank.
 from __future__ import annotations
 
 import logging
-import sys
 
 import torch
 from torch import nn
 
-from tests.dist_helpers import run_worker
 
 LAYERS = ("gate", "a", "b", "expert", "head")
 FLUSH_EVERY = 3
@@ -55,10 +53,9 @@ class Routed(nn.Module):
         return self.head(torch.tanh(y))
 
 
-def body(rank: int, world: int) -> dict:
+def body(rank: int, world: int, mode: str = "ok") -> dict:
     from gradwatch import GradMonitor
 
-    mode = sys.argv[5] if len(sys.argv) > 5 else "ok"
     warnings: list[str] = []
 
     class Collect(logging.Handler):
@@ -152,6 +149,3 @@ def body(rank: int, world: int) -> dict:
     return {"steps": steps, "windows": windows, "sync_dist": sync, "warnings": warnings,
             "collective_calls": collective_calls[0]}
 
-
-if __name__ == "__main__":
-    run_worker(body)

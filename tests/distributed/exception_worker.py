@@ -1,6 +1,6 @@
 """An exception on one rank inside ``with GradMonitor(...)`` (gloo, CPU).
 
-    python -m tests.distributed.exception_worker RANK WORLD PORT OUT plain
+    gloo("tests.distributed.exception_worker:body", 2)  (the gloo fixture: tests/conftest.py)
 
 Rank 0 raises inside its ``with`` block after two steps (no flush yet); rank 1 is still
 training. Then both ranks make the user's own ``all_reduce`` of three floats: it must meet
@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tests.dist_helpers import run_worker
 
 
 def body(rank: int, world: int) -> dict:
@@ -41,6 +40,3 @@ def body(rank: int, world: int) -> dict:
         dist.all_reduce(total)
     return {"user_sum": total.tolist(), "gradwatch_collectives": dict(collectives.calls)}
 
-
-if __name__ == "__main__":
-    run_worker(body)

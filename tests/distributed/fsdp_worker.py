@@ -1,6 +1,6 @@
 """FSDP2 worker (gloo, CPU): 2 processes with one shard dim, or 4 on a 2x2 replicate x shard mesh.
 
-    python -m tests.distributed.fsdp_worker RANK WORLD PORT OUT [flat|hsdp]
+    gloo("tests.distributed.fsdp_worker:body", WORLD, "flat"|"hsdp")  (the gloo fixture: tests/conftest.py)
 
 Each rank trains on its own data and records, per step and layer, the norm of the
 full gradient (``p.grad.full_tensor()``) and of its local shard next to gradwatch's
@@ -9,22 +9,19 @@ grad_norm.
 
 from __future__ import annotations
 
-import sys
 
 import torch
 from torch import nn
 
-from tests.dist_helpers import run_worker
 
 LAYERS = ("0", "2", "4")
 
 
-def body(rank: int, world: int) -> dict:
+def body(rank: int, world: int, mode: str = "flat") -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from gradwatch import GradMonitor
 
-    mode = sys.argv[5] if len(sys.argv) > 5 else "flat"
     mesh = None
     if mode == "hsdp":
         from torch.distributed.device_mesh import init_device_mesh
@@ -65,6 +62,3 @@ def body(rank: int, world: int) -> dict:
     return {"expected": expected, "got": got, "got_ratio": got_ratio, "update_steps": w.update_steps,
             "layers": w.layers, "placements": placements}  # fmt: skip
 
-
-if __name__ == "__main__":
-    run_worker(body)

@@ -1,6 +1,6 @@
 """Pipeline and tensor-parallel worker (gloo, CPU).
 
-    python -m tests.distributed.parallel_worker RANK WORLD PORT OUT MODE [LOGDIR]
+    gloo("tests.distributed.parallel_worker:body", WORLD, MODE[, LOGDIR])  (the gloo fixture: tests/conftest.py)
 
 Modes:
 
@@ -33,12 +33,10 @@ every alert; every rank records its ``sync_dist`` and warnings.
 from __future__ import annotations
 
 import logging
-import sys
 
 import torch
 from torch import nn
 
-from tests.dist_helpers import run_worker
 
 STEPS = 4
 FLUSH_EVERY = 2
@@ -238,13 +236,11 @@ def _quiet_under_sequence_parallelism(rank: int, world: int) -> dict:
             "on_calls": on_calls}
 
 
-def body(rank: int, world: int) -> dict:
+def body(rank: int, world: int, mode: str, logdir: str | None = None) -> dict:
     import torch.distributed as dist
 
     from gradwatch import GradMonitor
 
-    mode = sys.argv[5]
-    logdir = sys.argv[6] if len(sys.argv) > 6 else None
     messages: list[str] = []
 
     class Collect(logging.Handler):
@@ -404,6 +400,3 @@ def build_stage(rank: int, world: int, mode: str):
 
     return model, named, run_step
 
-
-if __name__ == "__main__":
-    run_worker(body)

@@ -1,6 +1,6 @@
 """Several real processes (gloo, CPU): layouts, reductions over the mesh, failures that must not hang.
 
-Each test starts its workers with ``tests.dist_helpers.spawn``; values are compared
+Each test starts its workers with the ``gloo`` fixture (``tests/conftest.py``); values are compared
 with what the workers computed themselves from retained gradients or
 ``full_tensor()``, never with gradwatch's own arithmetic.
 """
@@ -11,7 +11,6 @@ import math
 
 import pytest
 
-from ..dist_helpers import spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -21,8 +20,8 @@ needs_fully_shard = pytest.mark.skipif(not hasattr(fsdp, "fully_shard"), reason=
 LAYERS = ("gate", "a", "b", "expert", "head")
 
 
-def test_conditional_compute_and_different_call_orders_across_ranks(tmp_path):
-    ranks = spawn("tests.distributed.conditional_worker", 2, str(tmp_path / "out"))  # both processes finish
+def test_conditional_compute_and_different_call_orders_across_ranks(gloo):
+    ranks = gloo("tests.distributed.conditional_worker:body", 2)  # both processes finish
     for window_index in range(2):
         for rank in ranks:
             w = rank["windows"][window_index]
@@ -43,9 +42,9 @@ def test_conditional_compute_and_different_call_orders_across_ranks(tmp_path):
     assert all(r["sync_dist"] for r in ranks)
 
 
-def test_ranks_monitoring_different_layers_agree_on_their_union(tmp_path):
+def test_ranks_monitoring_different_layers_agree_on_their_union(gloo):
     # rank 1 excludes expert: both ranks still see every layer, each combined over the ranks holding it
-    ranks = spawn("tests.distributed.conditional_worker", 2, str(tmp_path / "out"), "subset")
+    ranks = gloo("tests.distributed.conditional_worker:body", 2, "subset")
     for r in ranks:
         assert not r["warnings"], r["warnings"]
         w = r["windows"][0]
@@ -63,8 +62,8 @@ def test_ranks_monitoring_different_layers_agree_on_their_union(tmp_path):
     assert all(math.isnan(v) for v in ranks[1]["windows"][1]["out_grad_norm"]["expert"])  # not held by rank 1
 
 
-def test_the_same_layer_name_with_different_shapes_falls_back_to_local_statistics(tmp_path):
-    ranks = spawn("tests.distributed.conditional_worker", 2, str(tmp_path / "out"), "mismatch")
+def test_the_same_layer_name_with_different_shapes_falls_back_to_local_statistics(gloo):
+    ranks = gloo("tests.distributed.conditional_worker:body", 2, "mismatch")
     for r in ranks:
         assert r["sync_dist"] is False
         warning = next(m for m in r["warnings"] if "different units or parameters" in m)
@@ -73,8 +72,8 @@ def test_the_same_layer_name_with_different_shapes_falls_back_to_local_statistic
     assert ranks[0]["windows"][0]["dead_fraction"]["gate"] == 0.5
 
 
-def test_a_failure_on_one_rank_leaves_no_rank_waiting(tmp_path):
-    ranks = spawn("tests.distributed.conditional_worker", 2, str(tmp_path / "out"), "fail")
+def test_a_failure_on_one_rank_leaves_no_rank_waiting(gloo):
+    ranks = gloo("tests.distributed.conditional_worker:body", 2, "fail")
     # step 4 failed on rank 1: both ranks drop that step, keep the others and stay in sync
     for r in ranks:
         second = r["windows"][1]
@@ -85,9 +84,9 @@ def test_a_failure_on_one_rank_leaves_no_rank_waiting(tmp_path):
     assert sum("forced failure" in m for m in ranks[1]["warnings"]) == 1
 
 
-def test_a_failed_collective_is_never_retried_and_reduction_stops_with_one_warning(tmp_path):
+def test_a_failed_collective_is_never_retried_and_reduction_stops_with_one_warning(gloo):
     # the first collective of the first flush raises on every rank (the communicator is broken)
-    ranks = spawn("tests.distributed.conditional_worker", 2, str(tmp_path / "out"), "collective")
+    ranks = gloo("tests.distributed.conditional_worker:body", 2, "collective")
     for r in ranks:
         assert r["sync_dist"] is False
         assert sum("is not retried" in m for m in r["warnings"]) == 1, r["warnings"]
@@ -99,17 +98,17 @@ def test_a_failed_collective_is_never_retried_and_reduction_stops_with_one_warni
     assert ranks[1]["windows"][1]["dead_fraction"]["gate"] == 0.25
 
 
-def test_an_exception_on_one_rank_closes_its_monitor_without_a_collective(tmp_path):
+def test_an_exception_on_one_rank_closes_its_monitor_without_a_collective(gloo):
     # rank 0 raises inside `with GradMonitor(...)`; both ranks then make the user's own all_reduce
-    ranks = spawn("tests.distributed.exception_worker", 2, str(tmp_path / "out"), "plain")
+    ranks = gloo("tests.distributed.exception_worker:body", 2)
     for r in ranks:
         assert r["user_sum"] == [2.0, 2.0, 2.0]  # ones from both ranks: the user's collective met the other rank's
         assert r["gradwatch_collectives"]["reduce"] == 0
 
 
 @needs_fully_shard
-def test_fsdp2_grad_norm_is_the_norm_of_the_full_unsharded_gradient(tmp_path):
-    for rank, result in enumerate(spawn("tests.distributed.fsdp_worker", 2, str(tmp_path / "out"), "flat")):
+def test_fsdp2_grad_norm_is_the_norm_of_the_full_unsharded_gradient(gloo):
+    for rank, result in enumerate(gloo("tests.distributed.fsdp_worker:body", 2, "flat")):
         for got, exp in zip(result["got"], result["expected"]):
             for name, value in got.items():
                 assert value == pytest.approx(exp["full"][name], rel=1e-5), (rank, name)
@@ -127,9 +126,9 @@ def _check_update_ratio(result):
 
 
 @needs_fully_shard
-def test_fsdp2_hybrid_2x2_mesh_counts_each_shard_once(tmp_path):
+def test_fsdp2_hybrid_2x2_mesh_counts_each_shard_once(gloo):
     # replicate x shard: summing the shard partials over all four ranks would count each twice
-    results = spawn("tests.distributed.fsdp_worker", 4, str(tmp_path / "out"), "hsdp")
+    results = gloo("tests.distributed.fsdp_worker:body", 4, "hsdp")
     for rank, result in enumerate(results):
         assert result["placements"][0] == "(Replicate(), Shard(dim=0))"
         for t, (got, exp) in enumerate(zip(result["got"], result["expected"])):

@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch import nn
 
-from ..dist_helpers import spawn
 from .parallel_worker import (
     FLUSH_EVERY, MICROBATCHES, SEQ, STEPS, References, batch, build_net, build_sp_net, build_tp_net, sp_batch, tp_batch,
 )  # fmt: skip
@@ -105,8 +104,8 @@ def _single_process_pipeline_references(dead: bool = False) -> list[dict]:
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_two_pipeline_stages_rank0_writes_every_layer_of_every_stage(tmp_path, schedule):
-    ranks = spawn("tests.distributed.parallel_worker", 2, str(tmp_path / "out"), schedule)
+def test_two_pipeline_stages_rank0_writes_every_layer_of_every_stage(gloo, schedule):
+    ranks = gloo("tests.distributed.parallel_worker:body", 2, schedule)
     single = _single_process_pipeline_references()
     for r in ranks:  # the references are those of the full model in one process
         for step, ref in enumerate(r["steps"]):
@@ -120,11 +119,11 @@ def test_two_pipeline_stages_rank0_writes_every_layer_of_every_stage(tmp_path, s
     _check_every_layer(ranks, PP_LAYERS)
 
 
-def test_a_dead_layer_on_the_last_stage_is_alerted_reported_and_named_as_the_root(tmp_path, capsys):
+def test_a_dead_layer_on_the_last_stage_is_alerted_reported_and_named_as_the_root(gloo, tmp_path, capsys):
     from gradwatch.cli import main
 
     logdir = tmp_path / "tb"
-    ranks = spawn("tests.distributed.parallel_worker", 2, str(tmp_path / "out"), "dead", str(logdir))
+    ranks = gloo("tests.distributed.parallel_worker:body", 2, "dead", str(logdir))
     _check_every_layer(ranks, PP_LAYERS)
     for r in ranks:  # every rank judged the same union, so stop_on would stop them together
         assert [(kind, layer) for kind, layer, _ in r["alerts"]] == [("dead_units", "layers.2")]
@@ -138,8 +137,8 @@ def test_a_dead_layer_on_the_last_stage_is_alerted_reported_and_named_as_the_roo
 
 
 @needs_fully_shard
-def test_pipeline_by_fsdp2_on_a_2x2_mesh_gives_the_full_models_values(tmp_path):
-    ranks = spawn("tests.distributed.parallel_worker", 4, str(tmp_path / "out"), "pp_fsdp")
+def test_pipeline_by_fsdp2_on_a_2x2_mesh_gives_the_full_models_values(gloo):
+    ranks = gloo("tests.distributed.parallel_worker:body", 4, "pp_fsdp")
     assert [r["layers"] for r in ranks] == [PP_LAYERS[:2]] * 2 + [PP_LAYERS[2:]] * 2
     for r in ranks:
         assert r["sync_dist"] and not r["warnings"], r["warnings"]
@@ -164,8 +163,8 @@ def _single_process_tp_references() -> list[dict]:
     return out
 
 
-def test_tensor_parallel_colwise_and_rowwise_layers_count_their_outputs_once(tmp_path):
-    ranks = spawn("tests.distributed.parallel_worker", 2, str(tmp_path / "out"), "tp")
+def test_tensor_parallel_colwise_and_rowwise_layers_count_their_outputs_once(gloo):
+    ranks = gloo("tests.distributed.parallel_worker:body", 2, "tp")
     single = _single_process_tp_references()
     sent = _sent(ranks[0])
     for step in range(STEPS):
@@ -182,10 +181,10 @@ def test_tensor_parallel_colwise_and_rowwise_layers_count_their_outputs_once(tmp
     )  # fmt: skip
 
 
-def test_sequence_parallel_norms_and_token_sharded_outputs_give_the_full_models_values(tmp_path):
+def test_sequence_parallel_norms_and_token_sharded_outputs_give_the_full_models_values(gloo):
     # The norm under SequenceParallel has Partial gradients and a token-sharded DTensor output; fc2
     # (RowwiseParallel(output_layouts=Shard(1))) hands each rank other tokens: both add up over ranks.
-    ranks = spawn("tests.distributed.parallel_worker", 2, str(tmp_path / "out"), "sp")
+    ranks = gloo("tests.distributed.parallel_worker:body", 2, "sp")
     net = build_sp_net()
     named = {"norm": net.norm, "fc1": net.fc1, "fc2": net.fc2}
     refs = References(named)
@@ -212,8 +211,8 @@ def test_sequence_parallel_norms_and_token_sharded_outputs_give_the_full_models_
 
 
 @needs_fully_shard
-def test_tensor_parallel_by_fsdp2_on_a_2x2_mesh_gives_the_full_models_values(tmp_path):
-    ranks = spawn("tests.distributed.parallel_worker", 4, str(tmp_path / "out"), "tp_dp")
+def test_tensor_parallel_by_fsdp2_on_a_2x2_mesh_gives_the_full_models_values(gloo):
+    ranks = gloo("tests.distributed.parallel_worker:body", 4, "tp_dp")
     for r in ranks:
         assert r["sync_dist"] and not r["warnings"], r["warnings"]
     _check_every_layer(
@@ -223,16 +222,16 @@ def test_tensor_parallel_by_fsdp2_on_a_2x2_mesh_gives_the_full_models_values(tmp
     )  # fmt: skip
 
 
-def test_the_schedules_shape_inference_pass_is_avoided_by_static_stage_shapes(tmp_path):
+def test_the_schedules_shape_inference_pass_is_avoided_by_static_stage_shapes(gloo):
     # Without input_args/output_args the schedule runs one forward and backward more at its first
     # step, to infer shapes (on uninitialised inputs after stage 0): forward hooks see it.
-    ranks = spawn("tests.distributed.parallel_worker", 2, str(tmp_path / "out"), "dynamic")
+    ranks = gloo("tests.distributed.parallel_worker:body", 2, "dynamic")
     for r in ranks:
         assert r["calls"] == {layer: STEPS * MICROBATCHES + 1 for layer in r["layers"]}
 
 
-def test_sync_off_and_pause_mean_no_collective_under_sequence_parallelism(tmp_path):
-    ranks = spawn("tests.distributed.parallel_worker", 2, str(tmp_path / "out"), "sp_quiet")
+def test_sync_off_and_pause_mean_no_collective_under_sequence_parallelism(gloo):
+    ranks = gloo("tests.distributed.parallel_worker:body", 2, "sp_quiet")
     for r in ranks:
         # sync_dist=False: 3 steps, no collective; on: one per step (the private Partial reduction);
         # paused: none
