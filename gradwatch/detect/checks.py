@@ -136,7 +136,7 @@ class HealthChecks:
                 result.findings.append(finding)
 
     def _exploding(self, w: Window, valid: np.ndarray, result: Assessment) -> None:
-        norms = np.where(valid, w.grad_norm, np.nan)
+        norms = np.where(valid & ~self.vanishing.quiet(w, valid), w.grad_norm, np.nan)
         glob_valid = valid.any(axis=1) & np.isfinite(w.global_grad_norm)
         glob = np.where(glob_valid, w.global_grad_norm, np.nan)
         table = np.concatenate([norms, glob[:, None]], axis=1)  # [steps, layers + 1]

@@ -56,6 +56,22 @@ class VanishingRule:
                 self.rms_history[slot], self.ratio_history[slot] = rms[t], ratio[t]
                 self.history_slot += 1
 
+    def quiet(self, w: Window, valid: np.ndarray) -> np.ndarray:
+        """[steps, layers]: values at or below what this rule judges vanishing (the absolute floor;
+        with SGD-like optimizers, the fraction of the step's strongest layer; a fraction of the
+        layer's own peak). The exploding rule leaves them out: a 10x jump of a collapsed gradient
+        (1e-7 after 1e-2) is noise at that level, not an explosion (#33: one layer flapped
+        through four exploding onsets)."""
+        cfg = self.config
+        rms = np.where(valid, w.grad_rms, np.nan)
+        with np.errstate(all="ignore"):
+            quiet = rms < cfg.vanishing_abs_rms
+            quiet |= rms < cfg.vanishing_rel_rms * np.where(np.isfinite(self.rms_peak), self.rms_peak, np.nan)
+            if not self.normalised_steps:
+                strongest = np.nanmax(rms, axis=1, initial=-np.inf, where=~np.isnan(rms))
+                quiet |= rms < cfg.vanishing_rel_rms * strongest[:, None]
+        return quiet
+
     def judge(self, w: Window, valid: np.ndarray, clear: set[tuple[str, str]]) -> list[Finding]:
         """The window's vanishing findings; ``clear`` gets the clearly healthy layers."""
         cfg = self.config

@@ -499,3 +499,33 @@ def test_nan_origin_and_forward_order_under_activation_checkpointing(reentrant):
     monitor.close()
     nonfinite = [a for a in alerts if a.kind == "nonfinite"]
     assert [a.layer for a in nonfinite] == ["blocks.0.2"], [a.message for a in alerts]
+
+
+def test_a_collapsed_layer_whose_tiny_gradient_jumps_is_vanishing_not_exploding():
+    # Layer 0's gradient collapses to 1e-8 of its level at step 60 (a cut path) and, down there,
+    # jumps 30x every thirteenth step: noise at a level already judged vanishing, not an explosion
+    # (#33: a collapsed layer flapped through exploding onsets). The test's own p.grad shows the
+    # 30x jumps are real; gradwatch reports the layer vanishing and never exploding.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    monitor = GradMonitor(model, flush_every=10, optimizer=opt)
+    factor = {"now": 1.0}
+    def scale_gradient(module, args, out):
+        out.register_hook(lambda g: g * factor["now"])
+
+    model[0].register_forward_hook(scale_gradient)
+    norms, alerts = [], []
+    for step in range(200):
+        factor["now"] = 1.0 if step < 60 else 1e-8 * (30.0 if step % 13 == 0 else 1.0)
+        model(torch.randn(16, 8)).square().mean().backward()
+        norms.append(model[0].weight.grad.norm().item())
+        alerts += monitor.step()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    late = norms[70:]
+    assert max(late) > 10 * min(late)  # the jumps are there
+    kinds = {(a.kind, a.layer) for a in alerts + monitor.alerts}
+    assert ("vanishing", "0") in kinds
+    assert not [k for k in kinds if k[0] == "exploding"], kinds
