@@ -4,10 +4,11 @@ or zero) against the same layer shapes with gradients of a normal size (#28 item
     python benchmarks/subnormal.py            # about 2 minutes on 2 CPU cores
     python benchmarks/subnormal.py --steps 60  # a smoke test
 
-Four runs in one process, interleaved step by step with the order rotated every round: the
+Six runs in one process, interleaved step by step with the order rotated every round: the
 vanishing demo's model (a 26-layer sigmoid stack, `gradwatch demo --fault vanishing`) with and
 without gradwatch, and its twin (the same Linear shapes, tanh and orthogonal weights, whose
-gradients stay near 1e-2) with and without gradwatch. gradwatch's part of a step is the
+gradients stay near 1e-2) with and without gradwatch, and that twin again (its ratio to the
+first is the noise floor, A/A). gradwatch's part of a step is the
 median monitored step minus the median unmonitored step of the same model; the claim is that
 the part is no larger on the vanishing model. No global float setting is changed (the model's
 own sigmoid backward is slower on subnormals; that is the run's cost, not gradwatch's).
@@ -80,16 +81,17 @@ def main() -> None:
     logging.getLogger("gradwatch").setLevel(logging.ERROR)  # the vanishing run alerts, as it should
     torch.set_num_threads(1)
     runs = [Run("vanishing", build_model("vanishing"), False), Run("vanishing", build_model("vanishing"), True),
-            Run("twin", twin(), False), Run("twin", twin(), True)]  # fmt: skip
+            Run("twin", twin(), False), Run("twin", twin(), True),
+            Run("twin again (A/A)", twin(), False), Run("twin again (A/A)", twin(), True)]  # fmt: skip
     for run in runs:
         run.record_smallest_grad()
     inputs = torch.randn(args.steps + args.warmup, 64, 32)
     for t in range(args.steps + args.warmup):
-        order = runs[t % 4 :] + runs[: t % 4]
+        order = runs[t % len(runs) :] + runs[: t % len(runs)]
         for run in order:
             run.step(inputs[t])
     results = {}
-    for name in ("vanishing", "twin"):
+    for name in ("vanishing", "twin", "twin again (A/A)"):
         plain, monitored = (r for r in runs if r.name == name)
         base = statistics.median(plain.times[args.warmup :])
         with_monitor = statistics.median(monitored.times[args.warmup :])
@@ -101,6 +103,10 @@ def main() -> None:
         monitored.monitor.close()
     ratio = results["vanishing"]["gradwatch part ms"] / results["twin"]["gradwatch part ms"]
     results["gradwatch part, vanishing / twin"] = ratio
+    # the noise floor: the same model measured twice
+    results["gradwatch part, twin again / twin (A/A)"] = (
+        results["twin again (A/A)"]["gradwatch part ms"] / results["twin"]["gradwatch part ms"]
+    )
     print(json.dumps(results, indent=2))
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
