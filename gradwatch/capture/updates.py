@@ -94,6 +94,11 @@ class UpdateRatio:
             if tracker is not None:
                 tracker._post()
 
+        # Not traced when the optimizer step is compiled (torch.compile(opt.step)): the hooks pick
+        # a chunk and a row by Python counters, on which dynamo would guard and recompile at every
+        # step until its recompile limit sent the whole step back to eager. Kept out of the graph,
+        # they run eagerly around it: a graph break each, a fixed number of graphs.
+        pre, post = torch.compiler.disable(pre), torch.compiler.disable(post)
         self._handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
 
     def chunk_at(self, optimizer_step: int) -> int | None:

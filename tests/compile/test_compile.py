@@ -446,3 +446,47 @@ def test_a_model_compiled_before_the_first_monitor_recompiles_once_at_most():
     beside, _, recorded = _teacher_and_student(monitor_student=True, teacher_first=True)
     assert beside <= alone + 1
     assert all(math.isfinite(v) and v > 0 for v in recorded)
+
+
+def _compiled_optimizer_run(monitored: bool, steps: int = 24):
+    """An MLP whose optimizer step is compiled (torch.compile(opt.step)); returns the graphs and
+    recompiles it made (deltas), the monitor's last window and, per step, each layer's update ratio
+    from the test's own weight copies around the step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    monitor = GradMonitor(model, flush_every=steps, optimizer=opt) if monitored else None
+    compiled_step = torch.compile(opt.step, backend=BACKEND)
+    counters = torch._dynamo.utils.counters
+    graphs, recompiles = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
+    reference = []
+    for _ in range(steps):
+        model(torch.randn(4, 8)).square().mean().backward()
+        if monitor is not None:
+            monitor.step()
+        before = [m.weight.detach().clone() for m in (model[0], model[2])]
+        compiled_step()
+        reference.append([float((m.weight - b).norm() / b.norm()) for m, b in zip((model[0], model[2]), before)])
+        opt.zero_grad()
+    graphs = counters["stats"]["unique_graphs"] - graphs
+    recompiles = sum(counters["recompiles"].values()) - recompiles
+    window = None
+    if monitor is not None:
+        monitor.close()
+        window = monitor.last_window
+    return graphs, recompiles, window, reference
+
+
+def test_a_compiled_optimizer_step_compiles_as_without_gradwatch_and_update_ratio_is_exact():
+    # Before: the update hooks were traced with a guard on the step's row ("slot == 8"): a
+    # recompile per step until dynamo's limit sent the whole step back to eager (12 graphs
+    # against 1). Now they run outside the graph: the baseline's graphs and recompiles.
+    base_graphs, base_recompiles, _, _ = _compiled_optimizer_run(monitored=False)
+    torch._dynamo.reset()
+    graphs, recompiles, window, reference = _compiled_optimizer_run(monitored=True)
+    assert graphs <= base_graphs and recompiles <= base_recompiles, (graphs, base_graphs, recompiles)
+    measured = window.judged_update_ratio  # [update step, layer]: weight matrices, NaN where not measured
+    hits = [(k, j) for k in range(len(window.update_steps)) for j in range(2) if math.isfinite(measured[k, j])]
+    assert len(hits) >= 2
+    for k, j in hits:
+        assert measured[k, j] == pytest.approx(reference[window.update_steps[k]][j], rel=1e-5)
