@@ -490,3 +490,25 @@ def test_a_compiled_optimizer_step_compiles_as_without_gradwatch_and_update_rati
     assert len(hits) >= 2
     for k, j in hits:
         assert measured[k, j] == pytest.approx(reference[window.update_steps[k]][j], rel=1e-5)
+
+
+@pytest.mark.parametrize("detail", ["standard", "full"])
+def test_six_attach_close_cycles_make_at_most_one_graph_more_than_two(detail):
+    # #29: graphs after 6 cycles of attach -> 12 steps -> close are at most those after 2 cycles
+    # plus one (the issue measured about 3 new graphs per cycle under fullgraph before).
+    torch.manual_seed(0)
+    count = _GraphCount()
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    compiled = torch.compile(model, backend=count, fullgraph=True)
+    x = torch.randn(4, 8)
+    after = {}
+    for cycle in range(1, 7):
+        monitor = GradMonitor(compiled, flush_every=6, detail=detail)
+        for _ in range(12):
+            compiled(x).sum().backward()
+            monitor.step()
+            model.zero_grad()
+        monitor.close()
+        assert math.isfinite(float(monitor.last_window.grad_norm[-1, 0]))
+        after[cycle] = count.graphs
+    assert after[6] <= after[2] + 1, after
