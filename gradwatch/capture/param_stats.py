@@ -44,6 +44,8 @@ CPU_FAST_PATH = True
 
 #: The key's third field for tensors whose float32 squares underflow (``TinyStats``).
 TINY = "tiny"
+#: The CPU dtypes whose sums the float32 slots hold and check (float64 and complex go elsewhere).
+_SLOT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class ModelMoved(RuntimeError):
@@ -217,6 +219,7 @@ class ParamStats:
         it), never its group's. Returns the positions of the tensors left out. ``first``: the
         group's first column, to move tensors whose squares underflow (None: tensors reduced one by
         one, whose tier is not followed)."""
+        self._slots.found_tiny = []  # what the slots' check finds is about this group alone
         try:
             self._reduce_group(key, grads, rows)
             if first is not None:
@@ -247,7 +250,7 @@ class ParamStats:
         strategy at the next step."""
         if key[2] == TINY:
             moved, self._tiny.grown = self._tiny.grown, []
-        elif key[0].type == "cpu" and self.cpu_fast:
+        elif key[0].type == "cpu" and self.cpu_fast and key[1] in _SLOT_DTYPES:  # the groups the slots check
             moved, self._slots.found_tiny = self._slots.found_tiny, []
         else:
             return

@@ -552,3 +552,31 @@ def test_tiny_gradients_get_their_exact_norm_not_zero(param_path, magnitude):
     if param_path == "cpu-path" and magnitude < 1e-15:
         assert strategies[1] == {"tiny"} and "tiny" not in strategies[4]  # float64 from step 1, float32 again at 4
     monitor.close()
+
+
+def test_tiny_gradients_beside_float64_and_complex_parameters_keep_every_value(param_path, caplog):
+    # Only the float32 groups the CPU slots check move to the tiny strategy: a float64 layer and a
+    # complex parameter beside a tiny float32 layer keep their own strategies and exact values.
+    torch.manual_seed(0)
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tiny = nn.Linear(4, 4)
+            self.wide = nn.Linear(4, 4).double()
+            self.rot = nn.Linear(4, 4, bias=False)
+            self.rot.phase = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+
+    model = Mixed()
+    monitor = GradMonitor(model, flush_every=3)
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) * (1e-25 if p.dtype == torch.float32 else 1.0)
+        reference = [math.sqrt(sum(float(p.grad.abs().double().square().sum()) for p in m.parameters(recurse=False)))
+                     for m in (model.tiny, model.wide, model.rot)]  # fmt: skip
+        with caplog.at_level("WARNING", logger="gradwatch"):
+            monitor.step()
+    monitor.flush()
+    assert monitor.last_window.grad_norm[-1].tolist() == pytest.approx(reference, rel=1e-5, abs=0)
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]
+    monitor.close()
