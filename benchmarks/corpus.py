@@ -10,7 +10,7 @@ runs one step in three) x 5 fault kinds x seeds, and
 healthy recipes chosen to fool naive rules (warm-up and cosine decay, dropout, class
 imbalance, batch size 1, a plateau of random labels, a high start that settles, a step
 decay, layer scale 1e-6, zero-initialised gates, a loss weight ramped x30, a layer unfrozen
-mid-run, a GradScaler that recalibrates, a converging exact-fit regression, zero_grad that
+mid-run, float16 autocast with a GradScaler that recalibrates, a converging exact-fit regression, zero_grad that
 keeps idle experts' zeros). Each seed draws the optimizer (SGD with
 momentum, Adam, AdamW), flush_every (10 or 25) and the fault step.
 
@@ -240,7 +240,7 @@ class Recipe:
     #: x30 is an exploding gradient at that step, which tests/detect covers)
     loss_weight_change: bool = False
     unfreeze_at: int = 0  # the first layer is frozen until this step (gradual unfreezing)
-    scaler: bool = False  # a GradScaler that recalibrates: Inf gradients at steps 0-2, then none
+    scaler: bool = False  # float16 autocast and a GradScaler that recalibrates: Inf gradients at steps 0-2, then none
     keep_grads: bool = False  # zero_grad(set_to_none=False): idle layers keep a zero gradient
     #: convergence compressed into the run: the loss weight falls 1e-6 over it, so every layer's
     #: gradient falls six decades together (an exact fit converges so, but slower than 130 steps:
@@ -262,7 +262,7 @@ HEALTHY = [
     Recipe("zero-initialised gates, AdamW", "adamw", scale="zero_gate"),
     Recipe("loss weight ramped to x30 from step 60, Adam", "adam", loss_weight_change=True),
     Recipe("first layer unfrozen at step 40, AdamW", "adamw", unfreeze_at=40),
-    Recipe("GradScaler that recalibrates, Adam", "adam", scaler=True),
+    Recipe("float16 autocast, GradScaler that recalibrates, Adam", "adam", scaler=True),
     Recipe("converging regression (exact fit, gradients down 6 decades), SGD", "sgd", labels="regression",
            converge=True),
     Recipe("zero_grad(set_to_none=False) (idle experts keep zeros), AdamW", "adamw", keep_grads=True),
@@ -606,7 +606,12 @@ def execute(run: Run) -> Outcome:
         if recipe.unfreeze_at and t == recipe.unfreeze_at:
             first_layer.requires_grad_(True)
         x, y = data.batch()
-        logits = model(x)
+        if scaler is not None:  # mixed precision as users run it with a scaler: float16 autocast
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = model(x)
+            logits = logits.float()
+        else:
+            logits = model(x)
         if scaler is not None and (t < 3 if not persistent_skips else t >= f):  # Inf gradients: the scaler skips
             logits.register_hook(lambda g: g * float("inf"))
         if teacher is not None:
