@@ -70,7 +70,7 @@ class GradMonitor:
         self.config = config = check_settings(flush_every, config, detail)
         check_outputs(logdir, writer, scaler, sync_dist)
         self.flush_every, self.detail, self.histograms = flush_every, detail, bool(histograms)
-        self._scaler, self._optimizer = scaler, optimizer
+        self._scaler = scaler
         self._closed = True  # until attached: close() and __del__ have nothing to undo
         self._next_step = 0
         model = _compat.unwrap(model)  # torch.compile(model): hooks and names on the model the user wrote
@@ -187,7 +187,7 @@ class GradMonitor:
             )
         new = build_updates(self, self._recorder, optimizer, self.flush_every)  # raises before anything changes
         self._updates.remove()
-        self._updates, self._optimizer = new, optimizer
+        self._updates = new
         self._pipeline.optimizer, self._pipeline.updates = optimizer, new
         self._watch.optimizer_steps_seen = 0
 

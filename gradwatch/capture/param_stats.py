@@ -219,7 +219,6 @@ class ParamStats:
         it), never its group's. Returns the positions of the tensors left out. ``first``: the
         group's first column, to move tensors whose squares underflow (None: tensors reduced one by
         one, whose tier is not followed)."""
-        self._slots.found_tiny = []  # what the slots' check finds is about this group alone
         try:
             self._reduce_group(key, grads, rows)
             if first is not None:

@@ -206,13 +206,18 @@ class _CpuSlots:
         bad = np.flatnonzero(~np.isfinite(values))
         if not len(bad):
             return
-        counts = nonfinite_counts([grads[b] for b in bad]).tolist()
-        for b, count in zip(bad.tolist(), counts):
-            rows.nonfinite[b] = count
+        for b, count in zip(bad.tolist(), _write_nonfinite_counts(grads, rows, bad)):
             if count == 0:
                 norm = torch.linalg.vector_norm(grads[b].reshape(-1), dtype=torch.float64)
                 rows.sq[b] = norm.to(rows.sq.dtype).square()
 
+
+def _write_nonfinite_counts(grads: list[torch.Tensor], rows: StepRows, bad: np.ndarray) -> list[float]:
+    """Count the non-finite elements of the tensors at positions ``bad`` exactly, into ``rows``."""
+    counts = nonfinite_counts([grads[b] for b in bad]).tolist()
+    for b, count in zip(bad.tolist(), counts):
+        rows.nonfinite[b] = count
+    return counts
 
 
 class TinyStats:
@@ -234,9 +239,7 @@ class TinyStats:
         values = rows.sq_host if rows.sq_host is not None else rows.sq.numpy()
         listed = values.tolist()
         if not math.isfinite(sum(listed)):
-            bad = np.flatnonzero(~np.isfinite(values))
-            for b, count in zip(bad.tolist(), nonfinite_counts([grads[b] for b in bad]).tolist()):
-                rows.nonfinite[b] = count
+            _write_nonfinite_counts(grads, rows, np.flatnonzero(~np.isfinite(values)))
         self.grown = [k for k, v in enumerate(listed) if v >= GROWN_SQ]  # NaN is never grown
 
 

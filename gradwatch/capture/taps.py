@@ -228,8 +228,12 @@ class OutputTap:
         if first is None or first.device != self.forward_sum.device:
             return
         for tap in (self, *self.also):
-            tap.first_call.clamp_min_(tap.clock)
-            tap.clock.sub_(1.0)
+            tap._advance_clock()
+
+    def _advance_clock(self) -> None:
+        """Forward order: the clock counts down, so a layer's first call keeps the largest value."""
+        self.first_call.clamp_min_(self.clock)
+        self.clock.sub_(1.0)
 
     def _record_outputs(self, output: Any) -> None:
         if isinstance(output, torch.Tensor):
@@ -265,11 +269,8 @@ class OutputTap:
             # A DTensor output (SequenceParallel keeps one): this rank's piece (mesh.py combines them).
             self.forward_sum.add_(local_tensor(out).sum(dtype=dtype))
             if sampling:
-                # Forward order: the clock counts down, so a layer's first call keeps the largest
-                # value (a recomputation inside backward is not forward order: see __call__).
-                if not _compat.in_backward():
-                    self.first_call.clamp_min_(self.clock)
-                    self.clock.sub_(1.0)
+                if not _compat.in_backward():  # a recomputation inside backward is not forward order
+                    self._advance_clock()
                 if self.output_stats is not None:  # the declared output statistics (registry.py)
                     local = local_tensor(out)
                     self.output_stats.add_(registry.accumulate_all(local, self.output_stats.dtype))

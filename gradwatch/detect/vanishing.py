@@ -46,10 +46,7 @@ class VanishingRule:
 
     def _remember(self, w: Window, valid: np.ndarray) -> None:
         rms = np.where(valid, w.grad_rms, np.nan)
-        with np.errstate(all="ignore"):
-            strongest = np.nanmax(rms, axis=1, initial=-np.inf, where=~np.isnan(rms))
-            strongest = np.where(np.isfinite(strongest) & (strongest > 0), strongest, np.nan)
-            ratio = rms / strongest[:, None]
+        ratio = _ratio_to_strongest(rms)
         for t in range(len(w.steps)):
             if valid[t].any():
                 slot = self.history_slot % HISTORY_STEPS
@@ -65,11 +62,9 @@ class VanishingRule:
         cfg = self.config
         rms = np.where(valid, w.grad_rms, np.nan)
         with np.errstate(all="ignore"):
-            quiet = rms < cfg.vanishing_abs_rms
-            quiet |= rms < cfg.vanishing_rel_rms * np.where(np.isfinite(self.rms_peak), self.rms_peak, np.nan)
+            quiet = (rms < cfg.vanishing_abs_rms) | (rms < cfg.vanishing_rel_rms * self.rms_peak)  # NaN peak: no
             if not self.normalised_steps:
-                strongest = np.nanmax(rms, axis=1, initial=-np.inf, where=~np.isnan(rms))
-                quiet |= rms < cfg.vanishing_rel_rms * strongest[:, None]
+                quiet |= _ratio_to_strongest(rms) < cfg.vanishing_rel_rms
         return quiet
 
     def judge(self, w: Window, valid: np.ndarray, clear: set[tuple[str, str]]) -> list[Finding]:
@@ -127,3 +122,11 @@ class VanishingRule:
         self.ratio_history = columns_from(state.get("ratio_history", []), saved, self.layers, HISTORY_STEPS)
         self.history_slot = int(state.get("history_slot", 0))
         self.rms_peak = by_name(state.get("rms_peak", []), saved, self.layers)
+
+
+def _ratio_to_strongest(rms: np.ndarray) -> np.ndarray:
+    """[steps, layers]: each layer's RMS over the step's strongest layer's (NaN: no such layer)."""
+    with np.errstate(all="ignore"):
+        strongest = np.nanmax(rms, axis=1, initial=-np.inf, where=~np.isnan(rms))
+        strongest = np.where(np.isfinite(strongest) & (strongest > 0), strongest, np.nan)
+        return rms / strongest[:, None]
