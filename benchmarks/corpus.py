@@ -8,10 +8,10 @@ Runs are generated, not hand-picked: 6 model families (ReLU MLP, CNN with BatchN
 pre-norm residual MLP, GRU, small pre-norm Transformer, a mixture of experts whose last expert
 runs one step in three) x 5 fault kinds x seeds, and
 healthy recipes chosen to fool naive rules (warm-up and cosine decay, dropout, class
-imbalance, batch size 1, a plateau of random labels, a high start that settles, a step
+imbalance of 95% and 99% (SGD and Adam), batch size 1 and 2, a plateau of random labels, a high start that settles, a step
 decay, layer scale 1e-6, zero-initialised gates, a loss weight ramped x30, a layer unfrozen
 mid-run, float16 autocast with a GradScaler that recalibrates, a converging exact-fit regression, zero_grad that
-keeps idle experts' zeros). Each seed draws the optimizer (SGD with
+keeps idle experts' zeros, 5000 steps of a narrow MLP regressed to zero: a slow collapse). Each seed draws the optimizer (SGD with
 momentum, Adam, AdamW), flush_every (10 or 25) and the fault step.
 
 Faults, injected at step ``f``:
@@ -20,10 +20,15 @@ Faults, injected at step ``f``:
 - ``vanishing``: the gradient reaching one hidden layer's output is multiplied by 1e-7 from f
   on (a saturated gate): that layer and every layer before it vanish.
 - ``dead_units``: a hidden layer's bias (a BatchNorm's shift in the CNN) is set to -100
-  before its ReLU at f.
+  before its ReLU at f; or, from f on, 53% of its units in one window and 47% in the next,
+  alternately (a layer at its threshold: one alert expected).
 - ``nonfinite``: a NaN in one layer's output at step f (forward), or an Inf in its output
   gradient (backward).
 - ``update_ratio``: the learning rate of Adam/AdamW jumps to 0.1 at f for 4-19 steps, then returns.
+
+Faults in the last window of short runs (60 steps with windows of 25, 100 with windows of
+10): ``dead_units`` and ``vanishing`` at the last window's first step, which ``close()``
+reports.
 
 Ground truth is measured by the benchmark itself, never by gradwatch: the global and
 per-layer gradient norms from ``p.grad``, the retained output gradients of the dead layer,
@@ -246,6 +251,13 @@ class Recipe:
     #: gradient falls six decades together (an exact fit converges so, but slower than 130 steps:
     #: measured, 1-2 decades here without it)
     converge: bool = False
+    imbalance: float = 0.95  # labels="imbalanced": this fraction of samples is class 0
+    #: spikes far above the recent level are this recipe's normal (a rare class, a batch of 1 or 2,
+    #: the jumps of a collapsed gradient): the ground truth's 10x-jump criterion does not apply
+    noisy: bool = False
+    steps: int = 0  # 0: STEPS
+    only: tuple[str, ...] = ()  # the families this recipe runs on (empty: every family)
+    width: int = 0  # the MLP's width (0: its default)
 
 
 HEALTHY = [
@@ -255,7 +267,10 @@ HEALTHY = [
     Recipe("step decay 0.1x at 60, SGD", "sgd", schedule="step_decay"),
     Recipe("dropout 0.3, AdamW", "adamw", dropout=0.3),
     Recipe("95% one class, Adam", "adam", labels="imbalanced"),
-    Recipe("batch size 1, Adam", "adam", lr=3e-4, batch=1),
+    Recipe("batch size 1, Adam", "adam", lr=3e-4, batch=1, noisy=True),
+    Recipe("batch size 2, AdamW", "adamw", lr=3e-4, batch=2, noisy=True),
+    Recipe("99% one class, SGD + momentum", "sgd", labels="imbalanced", imbalance=0.99, noisy=True),
+    Recipe("99% one class, Adam", "adam", labels="imbalanced", imbalance=0.99, noisy=True),
     Recipe("plateau (random labels), AdamW", "adamw", labels="random"),
     Recipe("high start that settles, AdamW", "adamw", high_start=True),
     Recipe("layer scale 1e-6, AdamW", "adamw", scale="layer_scale"),
@@ -266,6 +281,8 @@ HEALTHY = [
     Recipe("converging regression (exact fit, gradients down 6 decades), SGD", "sgd", labels="regression",
            converge=True),
     Recipe("zero_grad(set_to_none=False) (idle experts keep zeros), AdamW", "adamw", keep_grads=True),
+    Recipe("5000 steps of a narrow MLP regressed to zero, Adam (a slow collapse)", "adam", labels="zero", noisy=True,
+           steps=5000, only=("mlp",), width=16),
 ]
 _LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
 
@@ -312,7 +329,7 @@ class Data:
         x = torch.randn(self.recipe.batch, *self.shape, generator=self.generator)
         y = (x.reshape(len(x), -1) @ self.teacher).argmax(-1)
         if self.recipe.labels == "imbalanced":
-            y = torch.where(torch.rand(len(y), generator=self.generator) < 0.95, torch.zeros_like(y), y)
+            y = torch.where(torch.rand(len(y), generator=self.generator) < self.recipe.imbalance, torch.zeros_like(y), y)
         elif self.recipe.labels == "random":
             y = torch.randint(0, CLASSES, y.shape, generator=self.generator)
         return x, y
@@ -329,6 +346,11 @@ class Run:
     fault_step: int = 0
     variant: str = ""  # the fault's form (forward/backward NaN, one-step/lasting spike, ...)
     duration: int = 0  # update_ratio: steps at the high learning rate
+    steps: int = 0  # 0: the recipe's (else STEPS)
+
+    @property
+    def length(self) -> int:
+        return self.steps or self.recipe.steps or STEPS
 
     @property
     def name(self) -> str:
@@ -375,10 +397,18 @@ def corpus(seeds_faulty: int = 7, seeds_healthy: int = 6, families: list[str] | 
             runs.append(Run(name, Recipe("plain", optimizers[seed % 3], scaler=True), seed,
                             flush_every=(10, 25)[seed % 2], kind="nonfinite", fault_step=50 + (seed * 13) % 30,
                             variant="persistent scaler skips"))  # fmt: skip
+        for seed in range(2):  # faults in the last window of short runs: seen at its first (sampled) step
+            steps, flush = ((60, 25), (100, 10))[seed]
+            for kind in ("dead_units", "vanishing"):
+                runs.append(Run(name, Recipe("plain", optimizers[seed % 3]), 20 + seed, flush_every=flush, kind=kind,
+                                fault_step=steps - (steps % flush or flush), variant="last window", steps=steps))  # fmt: skip
+        # a layer at the dead-unit threshold in alternate windows (53% dead, then 47%, ...): one alert
+        runs.append(Run(name, Recipe("plain", "adam"), 30, flush_every=10, kind="dead_units", fault_step=40,
+                        variant="alternate windows"))  # fmt: skip
         for recipe in HEALTHY:
-            if recipe.scale and not family.scaled:
+            if (recipe.scale and not family.scaled) or (recipe.only and name not in recipe.only):
                 continue
-            for seed in range(seeds_healthy):
+            for seed in range(seeds_healthy if recipe.steps <= 1000 else min(seeds_healthy, 2)):
                 runs.append(Run(name, recipe, 100 + seed, flush_every=(25, 10)[seed % 2]))
     return runs
 
@@ -441,12 +471,13 @@ class Truth:
 
     def pathologies(self, window: int = 25, recipe: Recipe | None = None) -> list[str]:
         """What is wrong with a run meant to be healthy, by the same criteria as the faults' ground truth
-        (what the recipe does on purpose excepted: a scaler's Inf steps, a lasting change of scale)."""
+        (what the recipe does on purpose excepted: a scaler's Inf steps, a lasting change of scale, the spikes
+        of a noisy recipe)."""
         found = []
         skip = 3 if recipe is not None and recipe.scaler else 0
         if not all(math.isfinite(v) for v in self.loss + self.global_norm[skip:]):
             found.append("a non-finite loss or gradient")
-        for t in range(20 + skip, len(self.global_norm)):
+        for t in range(20 + skip, len(self.global_norm) if recipe is None or not recipe.noisy else 0):
             level = statistics.median(self.global_norm[t - 20 : t])
             if level > 0 and self.global_norm[t] >= 10 * level:
                 found.append(f"the gradient norm jumped {self.global_norm[t] / level:.0f}x at step {t}")
@@ -481,6 +512,10 @@ def check_fault(run: Run, family: Family, truth: Truth) -> tuple[bool, str, list
             if pre > 0 and post <= 1e-5 * pre:
                 layers.append(name)
         return bool(layers), "no layer's gradient norm fell 1e5x", layers
+    if run.kind == "dead_units" and run.variant == "alternate windows":  # over every step of the first window
+        masks = [s[family.dead_layer] for s in truth.alive_steps[f : f + run.flush_every] if family.dead_layer in s]
+        fraction = 1 - float(torch.stack(masks).any(0).double().mean()) if masks else 0.0
+        return fraction >= 0.5, f"{fraction:.0%} of its units dead in the first window, not 50%", [family.dead_layer]
     if run.kind == "dead_units":  # over the 20 steps after the fault
         masks = [s[family.dead_layer] for s in truth.alive_steps[f + 1 : f + 21] if family.dead_layer in s]
         if not masks:
@@ -547,6 +582,8 @@ def execute(run: Run) -> Outcome:
     kwargs = {"dropout": recipe.dropout}
     if family.scaled:
         kwargs["scale"] = recipe.scale
+    if recipe.width:
+        kwargs["width"] = recipe.width
     model = family.build(**kwargs)
     if recipe.high_start:
         with torch.no_grad():
@@ -589,7 +626,8 @@ def execute(run: Run) -> Outcome:
     monitor = GradMonitor(model, flush_every=run.flush_every, optimizer=opt, scaler=scaler)
     returned: dict[int, int] = {}
     start = time.perf_counter()
-    for t in range(STEPS):
+    dead_module = model.get_submodule(family.dead_layer)
+    for t in range(run.length):
         for group, lr in zip(opt.param_groups, base_lr):
             group["lr"] = lr * lr_factor(recipe, t)
         if run.kind == "update_ratio" and f <= t < f + run.duration:
@@ -598,11 +636,19 @@ def execute(run: Run) -> Outcome:
         if t == f:
             if run.kind == "vanishing":
                 injected["grad_scale"] = 1e-7
+            elif run.kind == "dead_units" and run.variant == "alternate windows":
+                alive_bias = dead_module.bias.detach().clone()
             elif run.kind == "dead_units":
                 with torch.no_grad():
-                    model.get_submodule(family.dead_layer).bias.fill_(-100.0)
+                    dead_module.bias.fill_(-100.0)
             elif run.kind == "nonfinite":
                 injected["nan_now" if run.variant == "forward NaN" else "inf_now"] = True
+        if run.variant == "alternate windows" and t >= f:  # 53% of the units dead, then 47%, window by window
+            units = dead_module.bias.numel()
+            dead = round(units * (0.53 if ((t - f) // run.flush_every) % 2 == 0 else 0.47))
+            with torch.no_grad():
+                dead_module.bias.copy_(alive_bias)
+                dead_module.bias[:dead] = -100.0
         if recipe.unfreeze_at and t == recipe.unfreeze_at:
             first_layer.requires_grad_(True)
         x, y = data.batch()
@@ -618,12 +664,14 @@ def execute(run: Run) -> Outcome:
             with torch.no_grad():
                 target = teacher(x)
             loss = nn.functional.mse_loss(logits, target)
+        elif recipe.labels == "zero":  # regressed to zero: the fit is exact and the gradient collapses
+            loss = logits.square().mean()
         else:
             loss = nn.functional.cross_entropy(logits, y)
         if run.kind == "exploding" and (t == f or (run.variant == "lasting" and t > f)):
             loss = loss * 1e4
         if recipe.converge:
-            loss = loss * 10.0 ** (-6 * t / STEPS)
+            loss = loss * 10.0 ** (-6 * t / run.length)
         if recipe.loss_weight_change and t >= 60:
             loss = loss * 30.0 ** min(1.0, (t - 60) / 40)
         if scaler is not None:
@@ -644,14 +692,14 @@ def execute(run: Run) -> Outcome:
         injected["nan_now"] = injected["inf_now"] = False
     monitor.close()
     for a in monitor.alerts:
-        returned.setdefault(id(a), STEPS)
+        returned.setdefault(id(a), run.length)
     outcome.seconds = time.perf_counter() - start
     outcome.alerts = [f"{a.kind}@{a.step}:{a.layer or '(model)'}" for a in monitor.alerts]
 
     peers = peer_alarms(truth.loss, truth.global_norm)
     if run.kind is None:
         outcome.peers = {rule: (steps[0] if steps else None) for rule, steps in peers.items()}
-        wrong = truth.pathologies(recipe=recipe)
+        wrong = truth.pathologies(window=run.flush_every, recipe=recipe)  # dead over a window: the monitor's window
         outcome.real = not wrong  # a healthy recipe that is not: listed, not counted
         outcome.why_not_real = "; ".join(wrong[:3])
         return outcome
@@ -760,9 +808,12 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
 
 
 def quick() -> list[Run]:
-    """The smoke subset: every kind on the MLP and the CNN (one seed), and two healthy recipes each."""
+    """The smoke subset: every kind on the MLP and the CNN (one seed; the last-window and alternate-window
+    faults on the MLP), and three healthy recipes each (one of them 99% one class)."""
     runs = [r for r in corpus(seeds_faulty=1, seeds_healthy=1, families=["mlp", "cnn"])]
-    return [r for r in runs if r.kind is not None or r.recipe.name in ("Adam", "warm-up + cosine, AdamW")]
+    runs = [r for r in runs if r.family == "mlp" or r.variant not in ("last window", "alternate windows")]
+    return [r for r in runs if r.kind is not None or r.recipe.name in ("Adam", "warm-up + cosine, AdamW",
+                                                                        "99% one class, SGD + momentum")]
 
 
 if __name__ == "__main__":

@@ -29,8 +29,16 @@ class HealthConfig:
     #: Steps before the relative exploding test starts (the recent level needs history).
     exploding_warmup_steps: int = 20
     #: ... and at any step, warm-up included: a grad_norm at least this many times the
-    #: previous calm step's is exploding (a jump, not smooth growth).
+    #: previous calm step's is exploding (a jump, not smooth growth). Neither relative test calls a
+    #: value exploding that is no larger than the largest of the column's last 50 calm values (a
+    #: return to where it has been).
     exploding_jump: float = 1e4
+    #: ... where a column's own calm steps vary widely (batch size 1-2, a rare class, dropout), the
+    #: relative ceiling widens to its median x exp(this x the standard deviation of its last 50 calm
+    #: log-norms), never beyond ``exploding_jump`` x that median: a layer whose gradient normally
+    #: moves 20x between steps is not exploding at 20x (a z-score in log space, as production rules
+    #: judge spikes). 0 turns the widening off.
+    exploding_spread_z: float = 5.0
     #: |output gradient| at or below this counts as zero for dead units.
     dead_eps: float = 0.0
     #: A dead_units alert fires when a layer's dead_fraction reaches this.
@@ -94,6 +102,7 @@ class HealthConfig:
                 f"HealthConfig.normalised_optimizer must be True, False or None, got {self.normalised_optimizer!r}"
             )
         finite_positive("exploding_factor")
+        finite_positive("exploding_spread_z", allow_zero=True)
         if self.exploding_factor <= 1:
             raise ValueError(
                 f"HealthConfig.exploding_factor must be > 1, got {self.exploding_factor!r}"

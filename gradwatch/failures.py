@@ -1,11 +1,28 @@
-"""Failures inside gradwatch: logged once, then as rare reminders, never raised into training."""
+"""Failures inside gradwatch: logged once, then as rare reminders, never raised into training.
+
+Strict mode (``GRADWATCH_STRICT=1`` in the environment; the test suite sets it) raises the
+errors that can only be a bug in gradwatch (:data:`PROGRAMMING_ERRORS`) instead of logging them,
+so a programming error cannot hide behind the guards that keep a user's run alive. Failures of
+what gradwatch runs on (a collective, a device, a writer: ``RuntimeError``, ``OSError``, ...)
+are still logged and survived.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable
 
 log = logging.getLogger("gradwatch")
+
+#: Exceptions that mean a bug in gradwatch rather than a failure of the run it watches.
+PROGRAMMING_ERRORS = (AttributeError, NameError, TypeError, IndexError, KeyError, AssertionError)
+
+
+def raise_if_strict(exc: BaseException) -> None:
+    """Re-raise ``exc`` under ``GRADWATCH_STRICT=1`` when it is a programming error."""
+    if isinstance(exc, PROGRAMMING_ERRORS) and os.environ.get("GRADWATCH_STRICT", "") == "1":
+        raise exc
 
 
 class FailureLog:
@@ -20,7 +37,8 @@ class FailureLog:
         self.counts: dict[str, int] = {}
 
     def failed(self, stage: str, exc: BaseException, consequence: str = "training continues") -> None:
-        """Record that ``stage`` raised ``exc``."""
+        """Record that ``stage`` raised ``exc`` (raised again in strict mode when it is a bug)."""
+        raise_if_strict(exc)
         count = self.counts.get(stage, 0) + 1
         self.counts[stage] = count
         if count == 1:

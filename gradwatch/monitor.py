@@ -87,7 +87,7 @@ class GradMonitor:
             self._output_shares = self._failures.guarded(
                 "reading the tensor-parallel layout", lambda: output_shares(model, self._layer_specs)
             )
-        self._recorder, self._updates = build_recorder(
+        self._recorder = build_recorder(
             self, self._layer_specs, flush_every, device, scale_source=functools.partial(_scale_of, scaler) if scaler else None,
             project_units=config.dead_eps == 0, world_size=collectives.world_size, optimizer=optimizer,
             sample_every=DETAILS[detail], reduce_partials=collectives.reduce_partials,
@@ -107,7 +107,7 @@ class GradMonitor:
         self._names = list(mesh.names) if mesh is not None else [layer.name for layer in self._layer_specs]
         is_writer = collectives.rank == 0  # only rank 0 writes
         detection = assemble(config, self._names, optimizer, recorder, mesh is not None, self._failures,
-                             self._scaler, is_writer)  # fmt: skip
+                             self._scaler, is_writer, reducing=lambda: collectives.enabled)  # fmt: skip
         self._checks, self._tracker, self._judge = detection.checks, detection.tracker, detection.judge
         self._per_step = detection.per_step
         self._watch = ModelWatch(recorder, frozen_layers(model, self._include, self._exclude), self._layer_specs)
@@ -118,7 +118,7 @@ class GradMonitor:
             recorder, self._watch, WindowReader(recorder, collectives, self._failures, mesh), detection, self._outputs,
             config, self._failures, self.flush_every, self._scaler, self.histograms,
         )  # fmt: skip
-        self._pipeline.layers, self._pipeline.optimizer, self._pipeline.updates = self._layer_specs, optimizer, self._updates
+        self._pipeline.layers, self._pipeline.optimizer = self._layer_specs, optimizer
         if metrics_callback is not None:
             self.add_metrics_callback(metrics_callback)
         self._hooks = HookSet(model, self._layer_specs, recorder.cells.taps)
@@ -180,15 +180,14 @@ class GradMonitor:
                 states: create the monitor with ``optimizer=``), or the optimizer holds none of the
                 monitored parameters. TypeError: not an optimizer.
         """
-        if self._updates is None or not self._recorder.layout.track_updates:
+        if self._recorder.updates is None or not self._recorder.layout.track_updates:
             raise ValueError(
                 "this monitor was created without optimizer=, so it keeps no update_ratio states: close() it "
                 "and create GradMonitor(model, optimizer=...) to measure update_ratio"
             )
         new = build_updates(self, self._recorder, optimizer, self.flush_every)  # raises before anything changes
-        self._updates.remove()
-        self._updates = new
-        self._pipeline.optimizer, self._pipeline.updates = optimizer, new
+        self._recorder.replace_updates(new)
+        self._pipeline.optimizer = optimizer
         self._watch.optimizer_steps_seen = 0
 
     def add_alert_callback(self, callback: Callable[[Alert], None]) -> None:
@@ -266,20 +265,18 @@ class GradMonitor:
 
     def _detach(self) -> None:
         """Remove every hook and thread, and every reference to the model."""
-        hooks, updates, outputs = self._hooks, self._updates, self._outputs
-        self._hooks, self._updates, self._outputs = None, None, None
+        hooks, outputs = self._hooks, self._outputs
+        self._hooks, self._outputs = None, None
         if hooks is not None:
             hooks.remove()
-        if updates is not None:
-            updates.remove()
-        self._recorder.drop_references()
+        self._recorder.drop_references()  # the optimizer hooks too
         if getattr(self, "_watch", None) is not None:
             self._watch.drop_references()
         if outputs is not None:
             outputs.close()
         self._layer_specs = []
         if getattr(self, "_pipeline", None) is not None:
-            self._pipeline.layers, self._pipeline.optimizer, self._pipeline.updates = [], None, None
+            self._pipeline.layers, self._pipeline.optimizer = [], None
 
     def __enter__(self) -> "GradMonitor":
         return self
@@ -294,8 +291,8 @@ class GradMonitor:
             if not self._closed:
                 if self._hooks is not None:
                     self._hooks.remove()
-                if self._updates is not None:
-                    self._updates.remove()
+                if self._recorder.updates is not None:
+                    self._recorder.updates.remove()
         except Exception:
             pass
 

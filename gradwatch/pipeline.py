@@ -32,10 +32,10 @@ class StepPipeline:
         scaler: the GradScaler in use, or None.
         histograms: write each layer's gradient histogram at every flush.
 
-    Its ``layers`` (the monitored ``LayerSpec`` list), ``optimizer`` and ``updates`` (the
-    optimizer gradwatch holds and its update measurements) are set by the monitor, which
-    replaces them (``set_optimizer``) and empties them (``close``): nothing here refers back to
-    the monitor, so a monitor dropped unclosed is freed at once.
+    Its ``layers`` (the monitored ``LayerSpec`` list) and ``optimizer`` (the optimizer gradwatch
+    holds; its update measurements are the recorder's) are set by the monitor, which replaces them
+    (``set_optimizer``) and empties them (``close``): nothing here refers back to the monitor, so a
+    monitor dropped unclosed is freed at once.
     """
 
     def __init__(self, recorder: Any, watch: Any, reader: Any, detection: Any, outputs: Any, config: Any,
@@ -43,14 +43,15 @@ class StepPipeline:
         self.recorder, self.watch, self.reader, self.outputs = recorder, watch, reader, outputs
         self.checks, self.tracker, self.judge = detection.checks, detection.tracker, detection.judge
         self.per_step = detection.per_step
+        self.units_probe = detection.units_probe
         self.config, self.failures, self.flush_every, self.scaler = config, failures, flush_every, scaler
         self.histograms = histograms
         self.layers: list = []
         self.optimizer: Any = None
-        self.updates: Any = None
         self.window_steps: list[int] = []
         self._alerts_since_flush: list[Alert] = []  # raised by step() since the last flush, for its text
         self.last_window: Window | None = None  # the most recent flushed window
+        self._fresh_evidence = False  # this window's dead-unit evidence was restarted (a layer fell silent)
 
     def step(self, step: int, grads_scaled: bool) -> list[Alert]:
         """Record step ``step`` and judge it; flush when the window is full. Returns the new alerts.
@@ -71,6 +72,8 @@ class StepPipeline:
         self.window_steps.append(step)
         new = self.judge.judge(recorder.slot - 1, self.window_steps) if self.per_step else []
         self._alerts_since_flush += new
+        if recorder.slot < self.flush_every:
+            self._confirm_dead_units_now()
         if recorder.slot >= self.flush_every:
             try:
                 new = new + self.flush(final=False)
@@ -95,6 +98,9 @@ class StepPipeline:
             window = self.reader.read(steps, self.config.dead_eps, self.scaler is not None and self.scaler.is_enabled())
         finally:
             recorder.reset_window()
+            self.units_probe.reset()
+            self.judge.fell_silent = False  # the new window's sampled steps see it anyway
+            self._fresh_evidence = False
         if window is None:
             return early
         checks = self.checks
@@ -112,12 +118,26 @@ class StepPipeline:
         self._stop_on(new)
         return new
 
+    def _confirm_dead_units_now(self) -> None:
+        """Dead units confirmed inside their own window: when a layer fell silent at a step (every
+        unit at once), the rest of the window is recorded in full on fresh evidence; when the
+        window's first sampled steps found a layer dead, the rest of it is recorded in full."""
+        recorder, probe = self.recorder, self.units_probe
+        silent, self.judge.fell_silent = self.judge.fell_silent, False
+        if silent and not probe.reducing and not self._fresh_evidence:  # once a window: evidence is not wiped again
+            self._fresh_evidence = True
+            recorder.sample_rest_of_window(fresh=True)
+            return
+        evidence = self.failures.guarded("the dead-unit check", lambda: probe.after_step(recorder.slot - 1))
+        if evidence is not None and self.checks.dead.worth_confirming(*evidence, recorder.layout.unit_count):
+            recorder.sample_rest_of_window()
+
     def _before_reading(self) -> list[Alert]:
         """The model and optimizer still the ones attached; the window's last steps judged per step."""
         watch = self.watch
         watch.check_parameters(self.layers)
         skipping = self.checks.scaler_skips.streak > 0  # a GradScaler skipping: the optimizer does not step
-        watch.check_optimizer_steps(self.updates, self.window_steps, self.flush_every, skipping)
+        watch.check_optimizer_steps(self.recorder.updates, self.window_steps, self.flush_every, skipping)
         watch.check_unfrozen()
         return self.judge.finish_window(self.window_steps) if self.per_step else []
 

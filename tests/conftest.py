@@ -10,6 +10,16 @@ import pytest
 import torch
 from torch import nn
 
+# Strict mode (gradwatch/failures.py): a programming error inside gradwatch fails the test that hits it
+# instead of becoming one logged warning. Worker processes (gloo) inherit it.
+os.environ.setdefault("GRADWATCH_STRICT", "1")
+
+
+@pytest.fixture
+def lenient(monkeypatch):
+    """For tests that inject an error gradwatch must survive as a user's run would: strict mode off."""
+    monkeypatch.setenv("GRADWATCH_STRICT", "0")
+
 
 def read_scalars(logdir: str) -> dict[str, dict[int, float]]:
     """Every scalar under ``logdir`` as {tag: {step: value}}, read with TensorBoard's own reader."""

@@ -273,3 +273,39 @@ def test_step_numbers_that_do_not_grow_warn_once_and_bad_types_are_a_type_error(
             monitor.step(bad)
     monitor.step(torch.tensor(8))  # an integer tensor is its value
     monitor.close()
+
+
+# ------------------------------------------------------------ strict mode: a bug is not a logged warning
+def _probe_with_a_bug(monitor):
+    def broken(slot):
+        raise AttributeError("a bug inside gradwatch")
+
+    monitor._pipeline.units_probe.after_step = broken
+
+
+def _train_two_steps(monitor, model):
+    for _ in range(2):
+        model(torch.randn(8, 4)).sum().backward()
+        monitor.step()
+        model.zero_grad()
+
+
+def test_strict_mode_raises_a_programming_error_the_guards_would_log():
+    assert __import__("os").environ["GRADWATCH_STRICT"] == "1"  # the suite runs strict (conftest.py)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    monitor = GradMonitor(model, flush_every=10)
+    _probe_with_a_bug(monitor)
+    with pytest.raises(AttributeError, match="a bug inside gradwatch"):
+        _train_two_steps(monitor, model)
+    monitor.close()
+
+
+def test_without_strict_mode_the_same_error_is_one_warning_and_training_goes_on(lenient, caplog):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    monitor = GradMonitor(model, flush_every=10)
+    _probe_with_a_bug(monitor)
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        _train_two_steps(monitor, model)
+    monitor.close()
+    failed = [r.getMessage() for r in caplog.records if "the dead-unit check failed" in r.getMessage()]
+    assert len(failed) == 1 and "AttributeError: a bug inside gradwatch" in failed[0]

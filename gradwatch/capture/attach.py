@@ -17,8 +17,9 @@ def build_recorder(monitor: Any, layers: list[LayerSpec], flush_every: int, devi
                    scale_source: Callable[[], torch.Tensor | None] | None, project_units: bool, world_size: int,
                    optimizer: Any, sample_every: int,
                    reduce_partials: Callable[[list[torch.Tensor]], list[torch.Tensor] | None] | None,
-                   ) -> tuple[Recorder, UpdateRatio | None]:  # fmt: skip
-    """The recorder of ``layers`` and, with ``optimizer``, the update-ratio hooks writing into it.
+                   ) -> Recorder:  # fmt: skip
+    """The recorder of ``layers`` and, with ``optimizer``, the update-ratio hooks writing into it
+    (``recorder.updates``, which the recorder owns: it replaces and removes them).
 
     The hooks hold the monitor through a weak reference: dropping the monitor removes its hooks.
     ``monitor`` must have ``_closed`` and ``_next_step`` (the step an update belongs to).
@@ -27,9 +28,9 @@ def build_recorder(monitor: Any, layers: list[LayerSpec], flush_every: int, devi
         layers, flush_every, device, scale_source, project_units=project_units, world_size=world_size,
         track_updates=optimizer is not None, sample_every=sample_every, reduce_partials=reduce_partials,
     )  # fmt: skip
-    if optimizer is None:
-        return recorder, None
-    return recorder, build_updates(monitor, recorder, optimizer, flush_every)
+    if optimizer is not None:
+        recorder.replace_updates(build_updates(monitor, recorder, optimizer, flush_every))
+    return recorder
 
 
 def build_updates(monitor: Any, recorder: Recorder, optimizer: Any, flush_every: int) -> UpdateRatio:

@@ -84,20 +84,40 @@ class Layout:
         # judged on at least two distinct steps at the window's own flush.
         self.sample_every = max(1, int(sample_every))
         slots = np.arange(flush_every)
-        self._planned_slots = (slots % self.sample_every == 0) | (slots == 1)
-        self._every_slot = np.ones(flush_every, dtype=bool)
-        #: This window records every statistic at every step (set between windows: the dead-unit
-        #: check asks for one when the sampled steps' evidence must be confirmed on all of them).
-        self.full_window = False
+        self.planned_slots = (slots % self.sample_every == 0) | (slots == 1)
+        self._full_window = False
+        #: [flush_every] the current window's sampled slots: the plan, every slot (``full_window``),
+        #: or the plan up to a slot and every slot after it (``sample_from``).
+        self._sampled = self.planned_slots.copy()
+
+    @property
+    def full_window(self) -> bool:
+        """Whether this window records every statistic at every step (set between windows: the
+        dead-unit check asks for one when the sampled steps' evidence must be confirmed on all of them)."""
+        return self._full_window
+
+    @full_window.setter
+    def full_window(self, value: bool) -> None:
+        self._full_window = bool(value)
+        self.start_window()
+
+    def start_window(self) -> None:
+        """A new window samples by the plan (every slot when ``full_window``)."""
+        self._sampled = np.ones(self.flush_every, dtype=bool) if self._full_window else self.planned_slots.copy()
+
+    def sample_from(self, slot: int) -> None:
+        """Record every statistic at every step from ``slot`` to the end of this window (dead units
+        that the sampled steps found, confirmed inside their own window)."""
+        self._sampled[slot:] = True
 
     @property
     def sampled_slots(self) -> np.ndarray:
         """[flush_every] bool: the slots of the current window that record every statistic."""
-        return self._every_slot if self.full_window else self._planned_slots
+        return self._sampled
 
     def is_sampled(self, slot: int) -> bool:
         """Whether step ``slot`` of a window records every statistic (past the window: the next one's slot 0)."""
-        return bool(self.sampled_slots[slot]) if slot < self.flush_every else True
+        return bool(self._sampled[slot]) if slot < self.flush_every else True
 
 
 def declare_states(buffer: StatBuffer, flush_every: int, n_params: int, n_layers: int, n_units: int, n_samples: int,

@@ -10,7 +10,7 @@ copied to the host once, and decoded (``decode.py``).
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from .layout import (
     SAMPLE_WEIGHT_SQ, STEP_FAILED, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout,
 )  # fmt: skip
 from .param_stats import ParamStats, StepRows
+from ..failures import raise_if_strict
 from ..flush.window import Window
 
 log = logging.getLogger("gradwatch")
@@ -62,6 +63,8 @@ class Recorder:
         self.plan = self.cells.plan
         self.slot = 0
         self.update_steps: list[int] = []  # the optimizer step each update row describes
+        #: the optimizer hooks measuring update_ratio into this buffer (``capture.updates.UpdateRatio``), or None
+        self.updates: Any = None
         self._update_weights: torch.Tensor | None = None  # per-column weights when sharded
         self._failures: set[str] = set()
         # Views made once: indexing and slicing are an op each per call.
@@ -78,7 +81,7 @@ class Recorder:
                 for t in range(flush_every)
             ]  # fmt: skip
 
-        self._param_rows = rows(self.layout.sampled_slots)
+        self._param_rows = rows(self.layout.planned_slots)
         self._full_rows = rows(np.ones(flush_every, dtype=bool))  # a window of every statistic at every step
 
     @property
@@ -96,7 +99,9 @@ class Recorder:
         self.plan.active = bool(value)
 
     def hook_failed(self, where: str, exc: BaseException) -> None:
-        """A hook raised: warn once per layer and kind of error, and keep training going."""
+        """A hook raised: warn once per layer and kind of error, and keep training going (raised in strict mode
+        when it is a bug: ``failures.raise_if_strict``)."""
+        raise_if_strict(exc)
         key = f"{where}:{type(exc).__name__}"
         if key not in self._failures:
             self._failures.add(key)
@@ -128,7 +133,7 @@ class Recorder:
                 scale = scale.to(self._dtype)
             for moves in self._moves:
                 moves.into_row(slot, sampled, scale, self._units_window, not self.project_units)
-            rows = (self._full_rows if self.layout.full_window else self._param_rows)[slot]
+            rows = (self._full_rows if self.layout.is_sampled(slot) else self._param_rows)[slot]
             self.param_stats.record(rows, self._host[PARAM_PRESENT][slot])
             if params_scaled and scale is not None:
                 rows.sq.div_(scale.square())
@@ -215,10 +220,32 @@ class Recorder:
             cells.reset_window()
         self.update_steps = []
         self.slot = 0
+        self.layout.start_window()
         self.plan.sampling = True
 
+    def sample_rest_of_window(self, fresh: bool = False) -> None:
+        """Record every statistic at every remaining step of this window, from the next one on.
+
+        ``fresh``: forget the window's dead-unit evidence so far (a layer fell silent: what its units
+        did before says nothing about now); device ops only, no sync.
+        """
+        if self.slot >= self.layout.flush_every:
+            return
+        if fresh:
+            self._units_window.zero_()
+            self.buffer[OUT_GRAD][: self.slot, 2].zero_()  # the samples behind that evidence
+        self.layout.sample_from(self.slot)
+        self.plan.sampling = True
+
+    def replace_updates(self, updates: Any) -> None:
+        """Measure update_ratio with ``updates`` (another optimizer's hooks) from now on; the old hooks are removed."""
+        old, self.updates = self.updates, updates
+        if old is not None:
+            old.remove()
+
     def drop_references(self) -> None:
-        """Forget the model (close()): the taps stop, the parameters are dropped."""
+        """Forget the model (close()): the taps stop, the optimizer hooks go, the parameters are dropped."""
+        self.replace_updates(None)
         self.plan.active = False
         self.discard_pending()
         self.param_stats.drop_references()

@@ -14,6 +14,9 @@ MIN_STEPS = 2  # evidence from at least this many distinct steps
 CLEAR = 0.8  # clearly healthy: dead_fraction at most 0.8 x its threshold
 #: A confirmation that finds no evidence (the layer stopped running) ends after this many windows.
 CONFIRM_WINDOWS = 2
+#: A window whose last this-many steps (or more) all recorded every statistic confirms its own
+#: evidence: the sampled steps found the layer dead and the rest of the window was recorded in full.
+CONFIRM_TAIL = 3
 
 
 class DeadUnitsRule:
@@ -23,8 +26,10 @@ class DeadUnitsRule:
     A unit silent on a few sampled steps may fire on a few percent of the rows in between: a layer
     of such units looks half dead on the default's two sampled steps of a window and is 10-20% dead
     over all of its steps. So a layer found dead on sampled steps only is judged again on every
-    step of the next window(s) (``wants_every_step``), on fresh evidence, and only that judgement
-    raises the alert.
+    remaining step of the same window (``worth_confirming``: the pipeline records the rest of the
+    window in full, and a window whose last ``CONFIRM_TAIL`` steps were all recorded confirms
+    itself), or, where that could not be decided mid-window, on every step of the next window(s)
+    (``wants_every_step``); only that judgement raises the alert.
 
     Args:
         config: the thresholds (``dead_fraction``, ``dead_min_units``, ``dead_min_samples``).
@@ -52,7 +57,7 @@ class DeadUnitsRule:
         findings: list[Finding] = []
         if w.unit_alive is None or w.rows_seen is None:
             return findings
-        every_step = w.sampled is None or bool(np.all(w.sampled))
+        every_step = w.sampled is None or confirms_itself(w.sampled)
         self.confirm_windows = np.where(self.confirming, self.confirm_windows + 1, 0)
         # a confirmation that found no evidence for CONFIRM_WINDOWS windows ends (nothing to confirm)
         self.confirming &= self.confirm_windows <= CONFIRM_WINDOWS
@@ -86,6 +91,23 @@ class DeadUnitsRule:
                 clear.add(("dead_units", name))  # the band is at least one and a half units wide
         return findings
 
+    def worth_confirming(self, fractions: np.ndarray, rows_seen: np.ndarray, unit_counts: np.ndarray) -> bool:
+        """Whether a window's first sampled steps (``fractions`` dead and ``rows_seen`` per layer)
+        show a layer dead on enough samples to record the rest of the window in full (every unit
+        dead is conclusive as it is: nothing to confirm)."""
+        cfg = self.config
+        with np.errstate(invalid="ignore"):
+            judged = (unit_counts >= cfg.dead_min_units) & (rows_seen >= cfg.dead_min_samples)
+            return bool(np.any(judged & (fractions >= cfg.dead_fraction) & (fractions < 1.0)))
+
+    def fell_silent(self, silent: np.ndarray, unit_counts: np.ndarray, rms_peak: np.ndarray) -> bool:
+        """Whether a layer judged for dead units (``unit_counts``), whose gradient was non-zero before
+        (``rms_peak``: the highest median gradient RMS each layer had), had an exactly zero gradient at
+        a step where it ran (``silent``): every unit dead at once, worth recording the rest of the
+        window in full on fresh evidence."""
+        with np.errstate(invalid="ignore"):
+            return bool(np.any(silent & (unit_counts >= self.config.dead_min_units) & (rms_peak > 0)))
+
     def pending_all_dead(self, i: int) -> bool:
         """Layer ``i``'s evidence, too little to judge yet, says every unit is dead so far."""
         pending = self.alive[i]
@@ -97,3 +119,13 @@ class DeadUnitsRule:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         confirming = set(state.get("confirming", []))
         self.confirming = np.array([n in confirming for n in self.layers], dtype=bool)
+
+
+def confirms_itself(sampled: np.ndarray) -> bool:
+    """Whether a window's sampled steps (bool per step) confirm its dead-unit evidence: every step
+    sampled, or every one of its last ``CONFIRM_TAIL`` steps or more (the rest of the window
+    recorded in full after its sampled steps found dead units)."""
+    if bool(np.all(sampled)):
+        return True
+    gaps = np.flatnonzero(~sampled)
+    return len(sampled) - 1 - int(gaps[-1]) >= CONFIRM_TAIL

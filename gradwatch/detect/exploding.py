@@ -4,9 +4,13 @@ A value is exploding when it is above the absolute ceiling (``exploding_abs_norm
 ``exploding_jump`` x the previous calm value of its column (any step, warm-up included), or,
 after the warm-up, above ``exploding_factor`` x its column's recent level: the larger of the
 largest of its last ``RECENT_STEPS`` calm values (smooth growth raises its own bar) and the
-median of its last ``LEVEL_STEPS`` calm values (the level a run settled at). Causal: a step is
-compared only with earlier steps; exploded steps never enter the rings, so an explosion that
-persists stays flagged.
+median of its last ``LEVEL_STEPS`` calm values (the level a run settled at). Where a column's
+calm steps vary widely from one to the next (a rare class, batch size 1-2), the relative ceiling
+widens with that spread (``exploding_spread_z``), up to ``exploding_factor`` x the largest of its
+last ``LEVEL_STEPS`` calm values; and no value at or below that largest value is exploding by
+either relative test (a return to where the column has been). Causal: a step is compared only
+with earlier steps; exploded steps never enter the rings, so an explosion that persists stays
+flagged.
 
 Columns are the layers and, last, the model's global norm. :meth:`ExplodingRule.judge_row`
 judges one step of any set of columns; the window judgement calls it row by row, the per-step
@@ -29,6 +33,8 @@ LEVEL_STEPS = 50
 #: A column exploded at this many steps in a row has changed scale for good (a loss weight raised,
 #: a new phase): its recent exploded values become its level, so the new scale is judged from then on.
 RELEARN_STEPS = LEVEL_STEPS
+#: The spread of a column's calm steps widens its ceiling only once it rests on this many values.
+SPREAD_MIN_VALUES = 20
 
 
 @dataclass
@@ -70,6 +76,7 @@ class ExplodingRule:
             over_abs = row > cfg.exploding_abs_norm
             over_jump = row >= jump_ceiling
             ceiling = np.full(len(cols), np.inf)
+            level = np.full(len(cols), np.nan)  # the level each relative ceiling is a multiple of
             warm = self.judged[cols] >= cfg.exploding_warmup_steps
             # The level is max(top, median) >= top: a value within the factor of top is calm whatever
             # the median, so the median (a sort) is worked out only for the columns above it.
@@ -77,10 +84,15 @@ class ExplodingRule:
             candidates = warm & ~(row <= cfg.exploding_factor * top) & np.isfinite(row)
             if candidates.any():
                 picked = cols[candidates]
-                base = np.fmax(_nan_median_columns(self.level[:, picked]), top[candidates])
-                ceiling[candidates] = np.where(base > 0, cfg.exploding_factor * base, np.inf)
+                ceiling[candidates], level[candidates] = self._relative_ceiling(picked, top[candidates])
             over_rel = row > ceiling
-        over = over_abs | over_jump | over_rel
+            # Never above where the column has been: a value no larger than the largest of its last
+            # LEVEL_STEPS calm values is a return, not an explosion (a rare class after the gradient
+            # of the common ones collapsed; a high start's shadow lasts LEVEL_STEPS calm steps).
+            relative = over_jump | over_rel
+            if relative.any():
+                relative &= ~(row <= np.fmax.reduce(self.level[:, cols], axis=0))
+        over = over_abs | relative
         threshold = np.where(over_abs, cfg.exploding_abs_norm, np.where(over_jump, jump_ceiling, ceiling))
         why = []
         for k in np.flatnonzero(over):
@@ -90,12 +102,29 @@ class ExplodingRule:
             elif over_jump[k]:
                 why.append(f"{value / previous[k]:.3g}x its previous step's norm")
             else:
-                base = float(threshold[k]) / cfg.exploding_factor
-                why.append(f"{value / base:.3g}x its recent level {base:.4g}")
+                allowed = float(threshold[k]) / float(level[k])
+                why.append(f"{value / float(level[k]):.3g}x its recent level {float(level[k]):.4g} (calm up to "
+                           f"{allowed:.3g}x{' for its spread' if allowed > cfg.exploding_factor * 1.0001 else ''})")
         self._remember(row, cols, np.isfinite(row) & ~over)
         self._relearn(row, cols, np.isfinite(row) & over)
         self.judged[cols] += 1
         return RowVerdict(over, threshold, why)
+
+    def _relative_ceiling(self, picked: np.ndarray, top: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(ceilings, levels) of columns ``picked``, whose largest recent calm values are ``top``: the
+        ceiling is ``exploding_factor`` x the level, widened where the column's calm steps vary widely."""
+        cfg = self.config
+        median = _nan_median_columns(self.level[:, picked])
+        level = np.fmax(median, top)
+        ceiling = np.where(level > 0, cfg.exploding_factor * level, np.inf)
+        if cfg.exploding_spread_z > 0:
+            spread = _log_volatility_columns(self.level[:, picked], self.level_slot[picked])
+            widened = np.exp(np.minimum(cfg.exploding_spread_z * spread, np.log(cfg.exploding_jump)))
+            largest = np.fmax.reduce(self.level[:, picked], axis=0)  # of the last LEVEL_STEPS calm values
+            with np.errstate(invalid="ignore"):
+                widened = np.fmin(median * widened, cfg.exploding_factor * largest)
+                ceiling = np.fmax(ceiling, np.where(median > 0, widened, np.nan))
+        return ceiling, level
 
     def _remember(self, row: np.ndarray, cols: np.ndarray, calm: np.ndarray) -> None:
         if not calm.any():
@@ -177,6 +206,23 @@ class ExplodingRule:
         self.last_calm = by_name(state.get("last_calm", []), saved, names)
         counts = dict(zip(saved, state.get("judged", [])))
         self.judged = np.array([int(counts.get(n, judged[j])) for j, n in enumerate(names)], dtype=np.int64)
+
+
+def _log_volatility_columns(values: np.ndarray, oldest: np.ndarray) -> np.ndarray:
+    """Per column of a ring (``oldest``: each column's oldest slot), how far its calm values move
+    from one to the next in log space: the standard deviation of consecutive log ratios / sqrt(2),
+    the standard deviation of i.i.d. log-noise. Step-to-step, so a trend (smooth growth, a decay,
+    a level that moved once) is not counted as noise. 0 for fewer than ``SPREAD_MIN_VALUES``."""
+    size = values.shape[0]
+    ordered = np.take_along_axis(values, (oldest[None, :] + np.arange(size)[:, None]) % size, axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logs = np.log(np.where(ordered > 0, ordered, np.nan))
+    steps = logs[1:] - logs[:-1]  # NaN where either value is missing or not positive
+    count = np.isfinite(steps).sum(axis=0)
+    with np.errstate(invalid="ignore"):
+        mean = np.where(np.isfinite(steps), steps, 0.0).sum(axis=0) / np.maximum(count, 1)
+        variance = np.where(np.isfinite(steps), (steps - mean) ** 2, 0.0).sum(axis=0) / np.maximum(count - 1, 1)
+    return np.where(count + 1 >= SPREAD_MIN_VALUES, np.sqrt(variance / 2), 0.0)
 
 
 def _nan_median_columns(values: np.ndarray) -> np.ndarray:

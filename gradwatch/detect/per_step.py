@@ -12,7 +12,7 @@ import numpy as np
 
 from ..alerts import Alert
 from ..failures import FailureLog
-from ..flush.readback import StepReadback, forward_order, summarize
+from ..flush.readback import StepReadback, forward_order, silent_layers, summarize
 from .checks import HealthChecks
 from .tracker import AlertTracker
 
@@ -39,6 +39,10 @@ class StepJudge:
         self._scaler_enabled = scaler_enabled
         self._previous_forward: np.ndarray | None = None  # the last judged step's running forward sums
         self._window_order: list[int] = []  # the window's latest forward order
+        #: a layer that had a gradient fell silent at a judged step (all its units dead at once):
+        #: the pipeline then records the rest of the window in full, on fresh dead-unit evidence
+        self.fell_silent = False
+        self._silent: np.ndarray | None = None  # [L] layers silent at the last judged step (None: none)
 
     def judge(self, slot: int | None, steps: list[int], wait: bool = False) -> list[Alert]:
         """Judge the steps whose values are on the host (``slot``: the step just recorded, whose copy
@@ -52,6 +56,13 @@ class StepJudge:
                 if values.order is not None:
                     self._window_order = forward_order(values.order)
                 summary = summarize(values, self._layout, self._previous_forward)
+                silent = None
+                if summary.zero_grad and not values.failed:
+                    silent = silent_layers(values, self._layout, self._previous_forward)
+                    fell = silent if self._silent is None else silent & ~self._silent  # silent now, not before
+                    self.fell_silent |= self._checks.dead.fell_silent(fell, self._layout.unit_count,
+                                                                      self._checks.vanishing.rms_peak)  # fmt: skip
+                self._silent = silent
                 self._previous_forward = values.forward
                 if values.failed or values.slot >= len(steps):
                     continue

@@ -14,6 +14,9 @@ from .serial import by_name, columns_from, nullable
 
 HISTORY_STEPS = 20  # the median is over a layer's last HISTORY_STEPS steps
 MIN_STEPS = 5  # ... and needs at least MIN_STEPS of them
+#: ... or every one of a layer's last RECENT_STEPS steps was below (a collapse in the last
+#: window of a run, or half-way through the history, is not held back by the steps before it)
+RECENT_STEPS = 10
 CLEAR = 10.0  # clearly healthy: one decade above the thresholds
 #: A collapse against a layer's own level counts only when the layer fell this much further than the
 #: layer that fell least: every layer falling together is the model converging, not a cut path.
@@ -73,8 +76,10 @@ class VanishingRule:
         self._remember(w, valid)
         with np.errstate(all="ignore"):
             known = np.sum(~np.isnan(self.rms_history), axis=0) >= MIN_STEPS
-            med_rms = np.where(known, np.nanmedian(self.rms_history, axis=0), np.nan)
-            med_ratio = np.where(known, np.nanmedian(self.ratio_history, axis=0), np.nan)
+            settled_rms = np.where(known, np.nanmedian(self.rms_history, axis=0), np.nan)
+            med_rms = np.fmin(settled_rms, self._recent_max(self.rms_history))
+            med_ratio = np.fmin(np.where(known, np.nanmedian(self.ratio_history, axis=0), np.nan),
+                                self._recent_max(self.ratio_history))  # fmt: skip
             below_abs = med_rms < cfg.vanishing_abs_rms
             clear_abs = med_rms >= CLEAR * cfg.vanishing_abs_rms
             peak = self.rms_peak
@@ -82,7 +87,7 @@ class VanishingRule:
             least = np.nanmax(drop, initial=-np.inf, where=~np.isnan(drop))  # the layer that fell least
             collapsed = (drop < cfg.vanishing_rel_rms) & (drop < TOGETHER * least)
             clear_own = ~(med_rms < CLEAR * cfg.vanishing_rel_rms * peak)
-            self.rms_peak = np.where(np.isfinite(med_rms), np.fmax(peak, med_rms), peak)
+            self.rms_peak = np.where(np.isfinite(settled_rms), np.fmax(peak, settled_rms), peak)
             if self.normalised_steps:
                 below_rel, clear_rel = np.zeros_like(below_abs), np.ones_like(clear_abs)
             else:
@@ -109,6 +114,13 @@ class VanishingRule:
             findings.append(Finding("vanishing", self.layers[i], w.steps[-1], value, threshold, detail))
         clear.update(("vanishing", self.layers[i]) for i in np.flatnonzero(clear_abs & clear_rel & clear_own & seen))
         return findings
+
+    def _recent_max(self, history: np.ndarray) -> np.ndarray:
+        """Per layer, the largest of its last ``RECENT_STEPS`` values (NaN unless it has all of them)."""
+        rows = (self.history_slot - 1 - np.arange(RECENT_STEPS)) % HISTORY_STEPS
+        recent = history[rows]
+        complete = (self.history_slot >= RECENT_STEPS) & ~np.isnan(recent).any(axis=0)
+        return np.where(complete, recent.max(axis=0), np.nan)
 
     def state_dict(self) -> dict[str, Any]:
         return {

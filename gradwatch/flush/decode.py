@@ -88,7 +88,7 @@ def _output_statistics(host: dict[str, np.ndarray], n: int, layout: Layout, ok: 
     fwd_nonfinite = running_bad & ~np.vstack([np.zeros((1, n_layers), dtype=bool), running_bad[:-1]]) & ok[:, None]
     judged = np.where(ok[:, None], samples, 0.0)
     rows_seen = np.rint(judged.sum(axis=0)).astype(np.int64)
-    dead, unit_alive = _dead_units(host[UNIT_ACC], layout, rows_seen, dead_eps)
+    dead, unit_alive = dead_unit_fractions(host[UNIT_ACC], layout, rows_seen, dead_eps)
     output_stats: dict[str, np.ndarray] = {}
     if accumulator_count():  # the declared output statistics, on sampled steps that ran the layer
         recorded = (sampled[:, None] & ok[:, None]) & np.ones((1, n_layers), dtype=bool)
@@ -99,7 +99,7 @@ def _output_statistics(host: dict[str, np.ndarray], n: int, layout: Layout, ok: 
             "dead_fraction": dead, "unit_alive": unit_alive, "output_stats": output_stats}  # fmt: skip
 
 
-def _dead_units(units: np.ndarray, layout: Layout, rows_seen: np.ndarray,
+def dead_unit_fractions(units: np.ndarray, layout: Layout, rows_seen: np.ndarray,
                 dead_eps: float) -> tuple[np.ndarray, list[np.ndarray | None]]:  # fmt: skip
     """Per layer: the dead fraction and which units were alive (None: not judged)."""
     n_layers = len(layout.names)

@@ -171,6 +171,7 @@ class StepSummary:
     grad_bad: np.ndarray  # [L] a parameter gradient or output gradient was non-finite
     count: float  # non-finite parameter-gradient elements counted (0: not counted this step)
     any_bad: bool | None = None  # fwd_bad or grad_bad anywhere (None: worked out from them)
+    zero_grad: bool = False  # some tensor that had a gradient had an exactly zero one (a layer may have fallen silent)
 
     def __post_init__(self) -> None:
         if self.any_bad is None:
@@ -188,12 +189,14 @@ def summarize(values: StepValues, layout: Layout, previous_forward: np.ndarray |
     out the per-layer masks.
     """
     present = values.present.tolist()
-    total = sum(compress(values.sq.tolist(), present))  # over the tensors that had a gradient
+    had = list(compress(values.sq.tolist(), present))  # the sums of squares of the tensors that had a gradient
+    total = sum(had)
     probe = total + sum(values.forward.tolist()) + sum(values.out_sq.tolist())
     if math.isfinite(probe) and not any(values.nonfinite.tolist()):
         has_grad = any(present)
         none = _no_layer(len(layout.names))
-        return StepSummary(has_grad, math.sqrt(total) if has_grad else math.nan, none, none, 0.0, any_bad=False)
+        return StepSummary(has_grad, math.sqrt(total) if has_grad else math.nan, none, none, 0.0, any_bad=False,
+                           zero_grad=0.0 in had)  # fmt: skip
     return _summarize_exactly(values, layout, previous_forward)
 
 
@@ -211,7 +214,7 @@ def _summarize_exactly(values: StepValues, layout: Layout, previous_forward: np.
         running_bad = ~np.isfinite(values.forward)
         fwd_bad = running_bad if previous_forward is None else running_bad & np.isfinite(previous_forward)
     count = float(np.rint(np.sum(np.where(present, values.nonfinite, 0.0))))
-    return StepSummary(has_grad, norm, fwd_bad, grad_bad, count)
+    return StepSummary(has_grad, norm, fwd_bad, grad_bad, count, zero_grad=bool(np.any(present & (values.sq == 0))))
 
 
 @lru_cache(maxsize=8)
@@ -226,3 +229,14 @@ def forward_order(first_calls: np.ndarray) -> list[int]:
     """Layers in the order of their first forward call (the clock counts down)."""
     ran = np.flatnonzero(first_calls > 0)
     return [int(i) for i in ran[np.argsort(-first_calls[ran], kind="stable")]]
+
+
+def silent_layers(values: StepValues, layout: Layout, previous_forward: np.ndarray | None) -> np.ndarray:
+    """[L] layers that ran at this step (their running forward sum moved) and whose every parameter
+    gradient was exactly zero: every unit silent on every sample, or a path cut."""
+    n = len(layout.names)
+    present = values.present > 0
+    nonzero = np.bincount(layout.param_layer, weights=present & (values.sq != 0), minlength=n) > 0
+    held = np.bincount(layout.param_layer, weights=present, minlength=n) > 0
+    ran = np.ones(n, dtype=bool) if previous_forward is None else values.forward != previous_forward
+    return held & ~nonzero & ran

@@ -47,7 +47,7 @@ def test_every_written_update_ratio_equals_the_ratio_of_weight_copies(tmp_path, 
             norm = math.sqrt(sum(float(b.double().square().sum()) for b in before[n]))
             expected[step][n] = change / norm
         opt.zero_grad()
-        assert monitor._updates._before is None  # the copy lives only around one optimizer step
+        assert monitor._recorder.updates._before is None  # the copy lives only around one optimizer step
     monitor.close()
     scalars = read_scalars(str(tmp_path))
     for n in LAYERS:
@@ -171,7 +171,7 @@ def test_a_measurement_that_fails_keeps_its_row_empty_so_rows_are_the_same_on_ev
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     monitor = GradMonitor(model, flush_every=4, optimizer=opt)
-    local, calls = monitor._updates._local, [0]
+    local, calls = monitor._recorder.updates._local, [0]
 
     def failing_once(columns):
         calls[0] += 1
@@ -179,7 +179,7 @@ def test_a_measurement_that_fails_keeps_its_row_empty_so_rows_are_the_same_on_ev
             raise RuntimeError("forced copy failure")
         return local(columns)
 
-    monkeypatch.setattr(monitor._updates, "_local", failing_once)
+    monkeypatch.setattr(monitor._recorder.updates, "_local", failing_once)
     for _ in range(4):
         x = torch.randn(8, 16)
         nn.functional.mse_loss(model(x), torch.tanh(x[:, :4])).backward()

@@ -405,39 +405,95 @@ def test_units_firing_on_few_rows_are_not_called_dead_from_the_sampled_steps():
     assert [a for a in monitor.alerts if a.kind == "dead_units"] == []
 
 
-def test_a_layer_dead_on_the_sampled_steps_is_confirmed_on_every_step_of_the_next_window():
+def _dead_gate_run(steps: int, batch: int, flush_every: int = 25, dead_from=lambda step: 48, alive_bias: float = -2.33):
+    """The rarely active layer with ``dead_from(step)`` of its 64 units dead (bias -100), the others
+    at ``alive_bias`` (1.0: active on most rows); returns (monitor, each flush's sampled slots, the
+    test's own dead fraction per window)."""
     gate, model = _rarely_active_layer()
-    with torch.no_grad():
-        gate.bias[:48] = -100.0  # 48 of 64 units dead for good
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    monitor = GradMonitor(model, flush_every=25, optimizer=opt)
-    recorded = []
-    for step in range(50):
-        model(torch.randn(32, 16)).sum().backward()
+    monitor = GradMonitor(model, flush_every=flush_every, optimizer=opt)
+    sampled, own, alive = [], [], torch.zeros(64, dtype=torch.bool)
+    for step in range(steps):
+        with torch.no_grad():
+            dead = dead_from(step)
+            gate.bias[:dead] = -100.0
+            gate.bias[dead:] = alive_bias
+        x = torch.randn(batch, 16)
+        alive |= (gate(x) > 0).any(0)  # the test's own count: a ReLU unit passes gradient where it fires
+        model(x).sum().backward()
         monitor.step()
-        recorded.append(monitor.last_window.sampled.copy() if step in (24, 49) else None)
         opt.step()
         opt.zero_grad()
+        if step % flush_every == flush_every - 1:
+            sampled.append(monitor.last_window.sampled.copy())
+            own.append(1 - alive.double().mean().item())
+            alive[:] = False
     monitor.close()
-    first, second = recorded[24], recorded[49]
-    assert first.sum() == 2 and second.all()  # the second window recorded every step
-    dead = [a for a in monitor.alerts if a.kind == "dead_units"]
-    assert [(a.layer, a.step) for a in dead] == [("0", 49)] and dead[0].value >= 48 / 64
+    return monitor, sampled, own
 
+
+def test_a_layer_dead_on_the_sampled_steps_is_confirmed_on_every_remaining_step_of_the_same_window():
+    # The sampled steps (slots 0 and 1) find 75% dead: the rest of that window records every
+    # statistic, and its own flush confirms it (not one window later).
+    monitor, sampled, own = _dead_gate_run(50, batch=32)
+    assert sampled[0].all() and own[0] >= 48 / 64
+    dead = [a for a in monitor.alerts if a.kind == "dead_units"]
+    assert [(a.layer, a.step) for a in dead] == [("0", 24)]
+    assert abs(dead[0].value - own[0]) < 0.03  # over every row of the window, as the test counts
+
+
+def test_a_layer_seen_on_too_few_rows_mid_window_is_confirmed_in_the_next_window():
+    # 8 rows a step: the first window's two sampled steps (16 rows) are too few to judge; the
+    # second window's sampled steps complete the evidence at its flush, and the third window
+    # records every step to confirm it.
+    monitor, sampled, own = _dead_gate_run(75, batch=8, alive_bias=1.0)  # the live units fire: never a zero gradient
+    assert sampled[0].sum() == 2 and sampled[1].sum() == 2 and sampled[2].all()
+    dead = [a for a in monitor.alerts if a.kind == "dead_units"]
+    assert [(a.layer, a.step) for a in dead] == [("0", 74)] and dead[0].value >= 48 / 64
+
+
+def test_a_layer_at_its_threshold_in_alternate_windows_is_reported_once():
+    # 34 of 64 units (53%) dead in even windows, 30 (47%) in odd ones: one condition, reported once,
+    # neither never (each 53% window confirmed by a 47% one) nor at every crossing.
+    monitor, sampled, own = _dead_gate_run(200, batch=32, flush_every=10, alive_bias=1.0,
+                                           dead_from=lambda step: 34 if (step // 10) % 2 == 0 else 30)  # fmt: skip
+    assert min(own[0::2]) >= 0.5 > max(own[1::2])  # the test's own count: above, then below, the threshold
+    dead = [a for a in monitor.alerts if a.kind == "dead_units"]
+    assert [(a.layer, a.step) for a in dead] == [("0", 9)]
+
+
+def test_dead_units_in_the_last_window_of_a_run_are_reported_by_close():
+    # 48 of the layer's 64 units die at step 20 of a 40-step run (windows of 25): the window that
+    # sees them on its sampled steps is cut short by close(), whose flush confirms and reports it.
+    monitor, sampled, own = _dead_gate_run(40, batch=32, alive_bias=1.0, dead_from=lambda step: 48 if step >= 20 else 0)
+    dead = [a for a in monitor.alerts if a.kind == "dead_units"]
+    assert [(a.layer, a.step) for a in dead] == [("0", 39)] and dead[0].value == 48 / 64
+
+
+def test_a_layer_whose_every_unit_dies_mid_window_is_reported_at_that_window_s_flush():
+    # Every unit of the layer dies at step 33 (windows of 25): its gradient is exactly zero from
+    # then on, which the per-step read-back sees; the rest of the window (34-49) is recorded in
+    # full on fresh evidence, and the flush at 49 reports it (not the next window's, at 74).
+    monitor, sampled, own = _dead_gate_run(75, batch=32, alive_bias=1.0, dead_from=lambda step: 64 if step >= 33 else 0)
+    assert sampled[1][9:].all() and not sampled[1][2:9].any()  # slots 0-1 planned; 9 (step 34) on: in full
+    dead = [a for a in monitor.alerts if a.kind == "dead_units"]
+    assert [(a.layer, a.step, a.value) for a in dead] == [("0", 49, 1.0)]
 
 
 def test_a_confirmation_that_finds_no_evidence_ends_within_two_windows():
     # The layer looks dead on the first window's sampled steps, then never runs again (its branch
-    # switched off): the confirmation (every statistic at every step) ends, not on for good.
+    # switched off): the confirmation (every statistic at every step) ends, not on for good. 8 rows
+    # a step: the evidence is complete at the second window's flush, too late to confirm inside it.
     gate, model = _rarely_active_layer()
     with torch.no_grad():
         gate.bias[:48] = -100.0
+        gate.bias[48:] = 1.0  # the live units fire on most rows: the gradient is never exactly zero
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     monitor = GradMonitor(model, flush_every=25, optimizer=opt)
     full = []
-    for step in range(150):
-        if step < 25:
-            model(torch.randn(32, 16)).sum().backward()
+    for step in range(175):
+        if step < 50:
+            model(torch.randn(8, 16)).sum().backward()
         else:  # the gate's branch no longer runs: only the head learns
             model[-1](torch.randn(32, model[-1].in_features)).sum().backward()
         monitor.step()
@@ -446,7 +502,7 @@ def test_a_confirmation_that_finds_no_evidence_ends_within_two_windows():
         if (step + 1) % 25 == 0:
             full.append(monitor.last_window.sampled.all())
     monitor.close()
-    assert full[1] and not full[-1] and not full[-2], full  # confirmed once, then off again
+    assert not full[1] and full[2] and not full[-1] and not full[-2], full  # confirmed once, then off again
 
 # ------------------------------------------------------------ vanishing under a normalising optimizer
 def test_a_gradient_collapsing_five_decades_is_vanishing_under_adam_too():
@@ -477,22 +533,23 @@ def test_a_confirmation_carried_in_a_checkpoint_records_the_resumed_window_in_fu
     gate, model = _rarely_active_layer()
     with torch.no_grad():
         gate.bias[:48] = -100.0
+        gate.bias[48:] = 1.0  # never an exactly zero gradient: confirmed by the next window
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
 
     def train(monitor, steps):
         for _ in range(steps):
-            model(torch.randn(32, 16)).sum().backward()
+            model(torch.randn(8, 16)).sum().backward()  # 8 rows: evidence complete at the second flush
             monitor.step()
             opt.step()
             opt.zero_grad()
 
     first = GradMonitor(model, flush_every=25, optimizer=opt)
-    train(first, 25)  # dead on the sampled steps: to be confirmed
+    train(first, 50)  # dead on the sampled steps: to be confirmed
     state = first.state_dict()
     first.close()
     resumed = GradMonitor(model, flush_every=25, optimizer=opt)
     resumed.load_state_dict(state)
     train(resumed, 25)
     assert resumed.last_window.sampled.all()  # the confirmation window, recorded in full
-    assert [(a.kind, a.layer, a.step) for a in resumed.alerts] == [("dead_units", "0", 49)]
+    assert [(a.kind, a.layer, a.step) for a in resumed.alerts] == [("dead_units", "0", 74)]
     resumed.close()

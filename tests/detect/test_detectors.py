@@ -370,3 +370,62 @@ def test_the_exploding_rule_flags_the_pathologies_alike_step_by_step_and_over_a_
     # the rings after the window equal those after the steps: the same state, whichever path judged
     for name in ("level", "recent", "last_calm"):
         np.testing.assert_array_equal(getattr(per_step.exploding, name)[..., -1], getattr(window_rule.exploding, name)[..., -1])
+
+
+# ------------------------------------------------------------ the exploding ceiling widened by a column's own noise
+def _judge_series(series, config) -> list[int]:
+    from gradwatch.detect.exploding import ExplodingRule
+
+    rule = ExplodingRule(config, 1)
+    return [t for t, value in enumerate(series) if rule.judge_step(t, float(value), 0, "") is not None]
+
+
+def test_a_column_whose_steps_vary_widely_is_judged_against_its_own_spread():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    # A rare class: one step in five holds a rare sample whose gradient is ~300x the common steps'.
+    rare = rng.random(300) < 0.2
+    noisy = np.where(rare, 0.3, 1e-3) * np.exp(rng.normal(0.0, 0.3, 300))
+    ratios = [noisy[t] / np.median(noisy[t - 50 : t]) for t in range(50, 300)]
+    assert max(ratios) > 100  # its own spikes, far above a fixed 10x of its level
+    assert len(_judge_series(noisy, HealthConfig(exploding_spread_z=0))) > 5  # the fixed ratio's false alarms
+    assert _judge_series(noisy, HealthConfig()) == []
+    spiked = noisy.copy()
+    spiked[200] = 20.0 * noisy[150:200].max()  # 20x the largest of its last 50 steps: still exploding
+    assert _judge_series(spiked, HealthConfig()) == [200]
+
+
+def test_a_quiet_column_keeps_the_fixed_ratio_and_a_trend_is_not_spread():
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    quiet = 1.0 + 0.05 * rng.random(120)
+    quiet[100] = 12.0  # 12x a column that moves 5%
+    assert _judge_series(quiet, HealthConfig()) == [100]
+    growing = list(1.03 ** np.arange(100))  # smooth growth: a trend, not step-to-step noise
+    growing[80] = 15.0 * growing[79]
+    assert _judge_series(growing, HealthConfig()) == [80]
+
+
+def test_the_spread_never_widens_the_ceiling_beyond_the_jump():
+    import numpy as np
+
+    rng = np.random.default_rng(2)
+    wild = np.exp(rng.normal(0.0, 3.0, 200))  # so noisy that z x spread is far beyond 1e4
+    wild[150] = 2e4 * np.median(wild[100:150])
+    assert 150 in _judge_series(wild, HealthConfig(exploding_abs_norm=1e30))
+
+
+def test_a_return_to_where_a_column_has_been_is_not_exploding():
+    import numpy as np
+
+    # The common steps' gradient collapses four decades in 25 steps (the majority class learned);
+    # a rare-class batch then lifts it back under its starting level for one step: 18,000x its
+    # previous step, yet a return to where it has been, not an explosion.
+    collapse = list(np.exp(-0.4 * np.arange(25)))
+    calm_after = [float(np.exp(-10.0))] * 10
+    assert 0.8 / collapse[-1] > 1e4
+    assert _judge_series(collapse + [0.8] + calm_after, HealthConfig()) == []
+    # Above the largest of its last 50 calm steps, the same jump is exploding.
+    assert _judge_series(collapse + [1.5] + calm_after, HealthConfig()) == [25]

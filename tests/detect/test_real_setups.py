@@ -529,3 +529,52 @@ def test_a_collapsed_layer_whose_tiny_gradient_jumps_is_vanishing_not_exploding(
     kinds = {(a.kind, a.layer) for a in alerts + monitor.alerts}
     assert ("vanishing", "0") in kinds
     assert not [k for k in kinds if k[0] == "exploding"], kinds
+
+
+# ------------------------------------------------------------ exploding that knows each layer's noise (#33)
+def _imbalanced_run(fault_step: int | None, seed: int) -> tuple[list, list[float]]:
+    """The corpus's CNN (conv, BatchNorm, ReLU) trained with SGD + momentum on data that is 99% one
+    class (batches of 32: about one in five holds a rare sample): finite and learning, with
+    rare-class gradient spikes far above the common steps'. Returns (alerts, the test's own global
+    gradient norm per step)."""
+    from benchmarks import corpus
+
+    recipe = corpus.Recipe("99% one class", "sgd", labels="imbalanced", imbalance=0.99)
+    torch.manual_seed(seed)
+    model = corpus.FAMILIES["cnn"].build()
+    opt = corpus.make_optimizer(model, recipe)
+    data = corpus.Data(corpus.FAMILIES["cnn"], recipe, seed)
+    monitor = GradMonitor(model, flush_every=10, optimizer=opt)
+    norms = []
+    for step in range(150):
+        x, y = data.batch()
+        loss = nn.functional.cross_entropy(model(x), y)
+        if step == fault_step:
+            loss = loss * 1e4  # a corrupt batch
+        loss.backward()
+        norms.append(float(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double().norm()))
+        monitor.step()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    return monitor.alerts, norms
+
+
+def test_rare_class_spikes_of_a_healthy_imbalanced_run_are_not_exploding():
+    import statistics
+
+    jumps = []
+    for seed in (101, 102):
+        alerts, norms = _imbalanced_run(None, seed)
+        assert all(map(lambda v: v == v and v < 1e3, norms))  # finite throughout
+        # the test's own measure: the largest jump over the median of the 20 steps before, after the warm-up
+        jumps.append(max(norms[t] / statistics.median(norms[t - 20 : t]) for t in range(40, len(norms))))
+        assert [a for a in alerts if a.kind == "exploding"] == [], [a.message for a in alerts]
+    assert max(jumps) > 10  # spikes a fixed 10x-of-the-level rule would call exploding
+
+
+def test_a_corrupt_batch_in_an_imbalanced_run_is_still_exploding_at_its_step():
+    alerts, norms = _imbalanced_run(120, seed=101)
+    found = [a for a in alerts if a.kind == "exploding"]
+    assert norms[120] > 100 * max(norms[100:120])  # far above every recent step, rare ones included
+    assert [(a.layer, a.step) for a in found if a.layer == ""] == [("", 120)], [a.message for a in found]

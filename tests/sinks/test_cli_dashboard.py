@@ -453,9 +453,9 @@ def test_the_heatmaps_companion_image_shows_each_layers_output_statistics(tmp_pa
 
 
 def test_report_explains_a_value_over_a_threshold_without_an_alert(tmp_path, capsys):
-    # One 25-step window of units that fire on ~1% of rows: on the default's two sampled steps
-    # more than 40% of them look silent, which the table shows as "dead",
-    # over dead_fraction, with no alert (the rule confirms on every step of a later window).
+    # One 25-step window of units that fire on ~1% of rows, 8 rows a step: on the default's two
+    # sampled steps (16 rows, too few to judge) most of them look silent, which the table shows as
+    # "dead", over dead_fraction, with no alert (the rule needs 32 rows, then every step).
     # The report says why, with the run's own thresholds (dead_fraction=0.4 here, not the default).
     import torch
 
@@ -468,7 +468,7 @@ def test_report_explains_a_value_over_a_threshold_without_an_alert(tmp_path, cap
     monitor = GradMonitor(model, flush_every=25, optimizer=opt, logdir=str(tmp_path / "run"),
                           config=HealthConfig(dead_fraction=0.4))  # fmt: skip
     for _ in range(25):
-        model(torch.randn(32, 16)).sum().backward()
+        model(torch.randn(8, 16)).sum().backward()
         monitor.step()
         opt.step()
         opt.zero_grad()
