@@ -512,3 +512,52 @@ def test_six_attach_close_cycles_make_at_most_one_graph_more_than_two(detail):
         assert math.isfinite(float(monitor.last_window.grad_norm[-1, 0]))
         after[cycle] = count.graphs
     assert after[6] <= after[2] + 1, after
+
+
+# ------------------------------------------------------------ real models compiled whole, against their own baseline
+def _transformer_encoder():
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.TransformerEncoder(layer, 1, enable_nested_tensor=False),
+                          nn.Linear(32, 4))  # fmt: skip
+    return model, lambda: torch.randn(4, 6, 8), lambda out, x: out.square().mean()
+
+
+def _tiny_llama_without_cache():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=100, max_position_embeddings=32, use_cache=False)  # fmt: skip
+    loss = lambda out, ids: nn.functional.cross_entropy(out.logits.reshape(-1, 100), ids.reshape(-1))  # noqa: E731
+    return LlamaForCausalLM(config), lambda: torch.randint(0, 100, (2, 16)), loss
+
+
+def _graphs_and_breaks(build, monitored: bool) -> tuple[int, int, int]:
+    """(graphs, graph breaks, layers with an output-gradient statistic) of 8 steps of ``build()``'s model compiled whole."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    torch.manual_seed(0)
+    model, batch, loss_of = build()
+    monitor = GradMonitor(model, flush_every=6) if monitored else None  # steps 2-5: unsampled
+    compiled = torch.compile(model, backend=BACKEND)
+    for _ in range(8):
+        x = batch()
+        loss_of(compiled(x), x).backward()
+        if monitor is not None:
+            monitor.step()
+        model.zero_grad()
+    recorded = 0
+    if monitor is not None:
+        recorded = int(np.isfinite(monitor.last_window.out_grad_norm).any(axis=0).sum())
+        assert recorded == len(monitor.layers)  # every layer's output gradient, inside the compiled code
+        monitor.close()
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()), recorded
+
+
+@pytest.mark.parametrize("build", [_transformer_encoder, _tiny_llama_without_cache], ids=["transformer_encoder", "llama"])
+def test_real_models_compiled_whole_make_the_baseline_s_graphs_plus_at_most_one(build):
+    graphs, breaks, _ = _graphs_and_breaks(build, monitored=False)
+    monitored_graphs, monitored_breaks, recorded = _graphs_and_breaks(build, monitored=True)
+    assert recorded > 0
+    assert monitored_breaks == breaks == 0
+    assert graphs <= monitored_graphs <= graphs + 1  # the sampled and unsampled variants

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import logging
 import os
 
 import pytest
@@ -101,15 +102,18 @@ def test_statistics_are_of_the_gradients_before_clipping_at_the_trainers_steps(t
 
 
 @pytest.mark.slow
-def test_torch_compile_records_every_statistic(tmp_path):
+def test_torch_compile_records_every_statistic(tmp_path, caplog):
     import torch._dynamo
 
     reference = _RawOutNorms()
     _train(tmp_path / "eager", [reference], max_grad_norm=1.0, steps=4)
     torch._dynamo.reset()
     watch = GradWatchCallback(flush_every=2, detail="full")
-    _train(tmp_path / "compiled", [watch], max_grad_norm=1.0, steps=4, torch_compile=True,
-           torch_compile_backend="aot_eager")  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        _train(tmp_path / "compiled", [watch], max_grad_norm=1.0, steps=4, torch_compile=True,
+               torch_compile_backend="aot_eager")  # fmt: skip
+    # the Trainer sets the model's use_cache from TrainingArguments (False by default): nothing to say
+    assert not [r for r in caplog.records if "use_cache=True" in r.getMessage()]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the Trainer ran compiled code
     scalars = read_scalars(str(tmp_path / "compiled" / "gradwatch"))
     for step, layers in reference.norms.items():
@@ -117,6 +121,24 @@ def test_torch_compile_records_every_statistic(tmp_path):
             assert scalars[f"gradwatch/out_grad_norm/{name}"][step] == pytest.approx(value, rel=1e-4), (name, step)
     assert sorted(scalars["gradwatch/dead_fraction/transformer.h.0.attn.c_attn"]) == [2, 4]
     torch._dynamo.reset()
+
+
+def test_compiling_with_the_kv_cache_on_says_so_once_with_the_remedy(tmp_path, caplog):
+    # TrainingArguments(use_cache=True, torch_compile=True): the dynamo bug behind the DynamicCache
+    # limit (docs/reference.md) costs graphs; the callback says so when training begins.
+    from gradwatch.integrations.hf import _warn_if_compiled_with_a_cache
+
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    model = transformers.GPT2LMHeadModel(config)
+    for use_cache, compiled, said in ((True, True, 1), (False, True, 0), (True, False, 0)):
+        model.config.use_cache = use_cache
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), torch_compile=compiled, use_cache=use_cache,
+                                              report_to=[])  # fmt: skip
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gradwatch"):
+            _warn_if_compiled_with_a_cache(args, model)
+        messages = [r.getMessage() for r in caplog.records if "use_cache=True" in r.getMessage()]
+        assert len(messages) == said and all("model.config.use_cache = False" in m for m in messages)
 
 
 def test_gradient_accumulation_gives_one_record_per_optimizer_step(tmp_path):

@@ -1,0 +1,131 @@
+"""Graphs and graph breaks of real models compiled whole, with gradwatch against the same model without it.
+
+    python benchmarks/compile_graphs.py            # every case (about two minutes on 2 CPU cores)
+    python benchmarks/compile_graphs.py llama      # the cases whose name contains "llama"
+
+Each case trains 12 steps (``aot_eager``; windows of 6, so steps 2-5 and 8-11 are unsampled) twice
+in one process, unmonitored then monitored, after ``torch._dynamo.reset()``; dynamo's counters are
+process-wide, so each run clears them first. "graphs" is ``unique_graphs``, "breaks" the sum of
+``graph_break`` counts; "out_grad" how many monitored layers have an output-gradient statistic in
+the last window (recorded inside the compiled code).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gradwatch import GradMonitor  # noqa: E402
+
+Case = Callable[[], tuple[nn.Module, Callable[[], torch.Tensor], Callable[[object, torch.Tensor], torch.Tensor]]]
+
+
+def _lm_loss(out: object, ids: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), ids.reshape(-1))
+
+
+def transformer_encoder():
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(32, 4))
+    return model, lambda: torch.randn(4, 6, 8), lambda out, x: out.square().mean()
+
+
+def llama(use_cache: bool) -> Case:
+    def build():
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=2, vocab_size=100, max_position_embeddings=32, use_cache=use_cache)  # fmt: skip
+        return LlamaForCausalLM(config), lambda: torch.randint(0, 100, (2, 16)), _lm_loss
+
+    return build
+
+
+def gpt2(use_cache: bool) -> Case:
+    def build():
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32, use_cache=use_cache)
+        return GPT2LMHeadModel(config), lambda: torch.randint(0, 100, (2, 16)), _lm_loss
+
+    return build
+
+
+def run(build: Case, monitored: bool, steps: int = 12) -> dict[str, object]:
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model, batch, loss_of = build()
+    monitor = GradMonitor(model, flush_every=6) if monitored else None
+    compiled = torch.compile(model, backend="aot_eager")
+    for _ in range(steps):
+        x = batch()
+        loss_of(compiled(x), x).backward()
+        if monitor is not None:
+            monitor.step()
+        model.zero_grad()
+    result: dict[str, object] = {"graphs": counters["stats"]["unique_graphs"],
+                                 "breaks": sum(counters["graph_break"].values())}  # fmt: skip
+    if monitor is not None:
+        window = monitor.last_window
+        result["out_grad"] = f"{int(np.isfinite(window.out_grad_norm).any(axis=0).sum())}/{len(window.layers)}"
+        monitor.close()
+    return result
+
+
+def hf_trainer(monitored: bool) -> dict[str, object]:
+    """TrainingArguments(torch_compile=True) on a tiny GPT-2 (the Trainer sets use_cache from its arguments: False)."""
+    import transformers
+
+    from gradwatch.hf import GradWatchCallback
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(config)
+    data = [{"input_ids": torch.randint(0, 64, (16,)), "labels": torch.randint(0, 64, (16,))} for _ in range(32)]
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(output_dir=out, max_steps=12, per_device_train_batch_size=2, report_to=[],
+                                              torch_compile=True, torch_compile_backend="aot_eager", use_cpu=True,
+                                              save_strategy="no", logging_strategy="no")  # fmt: skip
+        callbacks = [GradWatchCallback(flush_every=6)] if monitored else []
+        transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks).train()
+    return {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
+
+
+CASES: dict[str, Callable[[bool], dict[str, object]]] = {
+    "nn.TransformerEncoder": lambda m: run(transformer_encoder, m),
+    "Llama (tiny), use_cache=False": lambda m: run(llama(False), m),
+    "Llama (tiny), use_cache=True": lambda m: run(llama(True), m),
+    "GPT-2 (tiny), use_cache=False": lambda m: run(gpt2(False), m),
+    "GPT-2 (tiny), use_cache=True": lambda m: run(gpt2(True), m),
+    "HF Trainer, torch_compile=True, GPT-2": hf_trainer,
+}
+
+
+def main(argv: list[str]) -> None:
+    logging.getLogger("gradwatch").setLevel(logging.ERROR)
+    print(f"torch {torch.__version__}, aot_eager, 12 steps, windows of 6\n")
+    print("| case | graphs without / with gradwatch | graph breaks without / with | layers with out_grad_norm |")
+    print("|---|---|---|---|")
+    for name, case in CASES.items():
+        if argv and not any(a.lower() in name.lower() for a in argv):
+            continue
+        base, mon = case(False), case(True)
+        print(f"| {name} | {base['graphs']} / {mon['graphs']} | {base['breaks']} / {mon['breaks']} | "
+              f"{mon.get('out_grad', '-')} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
