@@ -61,6 +61,8 @@ class HealthChecks:
         #: the model-level exploding check runs at every step (judge_step) instead of at the flush
         self.model_per_step = False
         self._model_exploded: Finding | None = None  # the per-step check's latest exploding finding since the flush
+        #: per step since the flush: the model's jump (``ExplodingRule.jump``) and whether it exploded
+        self._model_steps: dict[int, tuple[float, bool]] = {}
         self.exploding = ExplodingRule(config, len(layers) + 1)  # the last column: the model
         self.vanishing = VanishingRule(config, layers, normalised_steps)
         self.dead = DeadUnitsRule(config, layers)
@@ -119,7 +121,10 @@ class HealthChecks:
             if persistent is not None:
                 findings.append(persistent)
         if self.model_per_step and s.has_grad:
-            finding = self.exploding.judge_step(step, s.global_norm, len(self.layers), "")
+            column = len(self.layers)
+            jump = float(self.exploding.jump(np.array([s.global_norm]), np.array([column]))[0])
+            finding = self.exploding.judge_step(step, s.global_norm, column, "")
+            self._model_steps[step] = (jump, finding is not None)  # for the layers' judgement at the flush
             if finding is not None:
                 self._model_exploded = finding
                 findings.append(finding)
@@ -143,7 +148,9 @@ class HealthChecks:
         n = len(self.layers)
         columns = list(range(n)) if self.model_per_step else list(range(n + 1))
         names = self.layers + [""]
-        findings, calm = self.exploding.judge_window(table, w.steps, columns, names)
+        findings, calm = self.exploding.judge_window(table, w.steps, columns, names,
+                                                     stands=self._layer_explosions_standing(w.steps, columns))  # fmt: skip
+        self._model_steps = {}
         result.clear.update(("exploding", names[c]) for c, ok in zip(columns, calm) if ok)
         if self.model_per_step:  # the model was judged at every step: its onset is already raised
             last = self._model_exploded
@@ -159,6 +166,27 @@ class HealthChecks:
             model_hit[0].detail += f"; {len(layer_hits)} of {len(self.layers)} layers exceed their ceilings"
             findings = model_hit
         result.findings += findings
+
+    def _layer_explosions_standing(self, steps: list[int], columns: list[int]) -> Any:
+        """A layer's explosion stands when the model exploded at that step too, or when the layer jumped
+        at least ``exploding_factor`` x more than the model did: a rare class lifts every layer and the
+        model together (the model's own rule judges that; those layer values count as calm), a
+        layer-local explosion stands out of it."""
+        n, factor = len(self.layers), self.config.exploding_factor
+        is_model = np.asarray(columns) == n
+        model_in_row = bool(is_model.any())  # otherwise judged per step: its jumps are in _model_steps
+
+        def stands(t: int, over: np.ndarray, jumps: np.ndarray) -> np.ndarray:
+            if model_in_row:
+                model_jump, model_over = float(jumps[is_model][0]), bool(over[is_model][0])
+            else:
+                model_jump, model_over = self._model_steps.get(steps[t], (float("nan"), False))
+            if model_over or not np.isfinite(model_jump) or model_jump <= 0:
+                return np.ones(len(columns), dtype=bool)
+            with np.errstate(invalid="ignore"):
+                return is_model | (jumps >= factor * model_jump) | ~np.isfinite(jumps)  # no recent level: stands
+
+        return stands
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

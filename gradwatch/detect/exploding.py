@@ -8,7 +8,10 @@ median of its last ``LEVEL_STEPS`` calm values (the level a run settled at). Whe
 calm steps vary widely from one to the next (a rare class, batch size 1-2), the relative ceiling
 widens with that spread (``exploding_spread_z``), up to ``exploding_factor`` x the largest of its
 last ``LEVEL_STEPS`` calm values; and no value at or below that largest value is exploding by
-either relative test (a return to where the column has been). Causal: a step is compared only
+either relative test (a return to where the column has been). The caller may veto relative
+explosions (``stands``): ``checks.HealthChecks`` keeps a layer's only when the model exploded too
+or the layer jumped ``exploding_factor`` x more than the model (a rare class moves them together).
+Causal: a step is compared only
 with earlier steps; exploded steps never enter the rings, so an explosion that persists stays
 flagged.
 
@@ -19,8 +22,9 @@ judgement with the model's column alone.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -66,10 +70,13 @@ class ExplodingRule:
         self.exploded_streak = np.zeros(columns, dtype=np.int64)  # steps in a row above a ceiling
         self.exploded_recent = np.full((RECENT_STEPS, columns), np.nan)  # their latest values
 
-    def judge_row(self, row: np.ndarray, cols: np.ndarray) -> RowVerdict:
+    def judge_row(self, row: np.ndarray, cols: np.ndarray,
+                  stands: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> RowVerdict:  # fmt: skip
         """Judge one step's values ``row`` of columns ``cols`` (NaN: no value), and move the rings
-        of the calm ones on."""
+        of the calm ones on. ``stands(over, jumps)``: which relative explosions stand (``jumps``:
+        ``jump`` of each value); the others are calm and enter the rings."""
         cfg = self.config
+        jumps = self.jump(row, cols) if stands is not None else None
         with np.errstate(invalid="ignore"):
             previous = self.last_calm[cols]
             jump_ceiling = np.where(previous > 0, cfg.exploding_jump * previous, np.inf)
@@ -92,6 +99,8 @@ class ExplodingRule:
             relative = over_jump | over_rel
             if relative.any():
                 relative &= ~(row <= np.fmax.reduce(self.level[:, cols], axis=0))
+            if stands is not None and relative.any():
+                relative &= stands(over_abs | relative, jumps)
         over = over_abs | relative
         threshold = np.where(over_abs, cfg.exploding_abs_norm, np.where(over_jump, jump_ceiling, ceiling))
         why = []
@@ -168,16 +177,25 @@ class ExplodingRule:
             return None
         return Finding("exploding", name, step, value, float(verdict.threshold[0]), verdict.why[0])
 
-    def judge_window(self, table: np.ndarray, steps: list[int], cols: list[int],
-                     names: list[str]) -> tuple[list[Finding], np.ndarray]:  # fmt: skip
+    def jump(self, values: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """Each value over the largest of its column's last ``RECENT_STEPS`` calm values (NaN: none):
+        how far a step jumped, comparable across columns. Read before the step is judged."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return values / np.fmax.reduce(self.recent[:, cols], axis=0)
+
+    def judge_window(self, table: np.ndarray, steps: list[int], cols: list[int], names: list[str],
+                     stands: Callable[[int, np.ndarray, np.ndarray], np.ndarray] | None = None,
+                     ) -> tuple[list[Finding], np.ndarray]:  # fmt: skip
         """The first exploded step of each of ``cols`` in ``table`` [steps, all columns]; returns
-        (findings, per column of ``cols`` whether it was calm with a value in the window)."""
+        (findings, per column of ``cols`` whether it was calm with a value in the window).
+        ``stands(t, over, jumps)``: which explosions of row ``t`` stand (see ``judge_row``)."""
         index = np.asarray(cols, dtype=np.int64)
         first: dict[int, Finding] = {}
         exploded = np.zeros(len(cols), dtype=bool)
         for t in range(table.shape[0]):
             row = table[t, index]
-            verdict = self.judge_row(row, index)
+            of_row = None if stands is None else functools.partial(stands, t)
+            verdict = self.judge_row(row, index, of_row)
             for k, why in zip(np.flatnonzero(verdict.over), verdict.why):
                 exploded[k] = True
                 if k not in first:

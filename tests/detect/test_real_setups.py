@@ -578,3 +578,43 @@ def test_a_corrupt_batch_in_an_imbalanced_run_is_still_exploding_at_its_step():
     found = [a for a in alerts if a.kind == "exploding"]
     assert norms[120] > 100 * max(norms[100:120])  # far above every recent step, rare ones included
     assert [(a.layer, a.step) for a in found if a.layer == ""] == [("", 120)], [a.message for a in found]
+
+
+def test_a_layer_exploding_alone_is_exploding_while_the_model_stays_calm():
+    # The LayerNorm's gradient (3% of the global norm) jumps 30x at step 40 while the layers that
+    # carry the global norm do not: the model's column moves under 2x, the LayerNorm's explosion
+    # stands out of it and is reported (a layer moving with the model, as a rare class moves them
+    # all, is the model's rule's to judge).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.LayerNorm(256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 1))  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = GradMonitor(model, flush_every=10, optimizer=opt)
+    norms = []
+    for step in range(60):
+        model(torch.randn(32, 64)).square().mean().backward()
+        if step == 40:
+            with torch.no_grad():
+                for p in model[1].parameters():
+                    p.grad.mul_(30.0)
+        norms.append(float(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double().norm()))
+        monitor.step()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    assert norms[40] < 2 * max(norms[30:40])  # the model's own norm hardly moved
+    exploding = [(a.layer, a.step) for a in monitor.alerts if a.kind == "exploding"]
+    assert exploding == [("1", 40)]
+
+
+def test_every_layer_jumping_with_a_calm_model_is_not_a_per_layer_explosion():
+    # The corpus's MLP on 99%-one-class data (SGD + momentum, seed 102): the first rare-class batch
+    # after the common steps' gradient collapsed (step 22) lifts fc1 and fc2 above every value of
+    # their last 50 calm steps, but no more than the model's own norm moved, which is back under
+    # the run's first values (calm). A rare class moves every layer with the model: no alert.
+    from benchmarks import corpus
+
+    recipe = next(r for r in corpus.HEALTHY if r.name == "99% one class, SGD + momentum")
+    outcome = corpus.execute(corpus.Run("mlp", recipe, 102, flush_every=25))
+    assert outcome.real  # healthy by the benchmark's own measurements
+    assert outcome.alerts == []
