@@ -23,7 +23,8 @@ from .distributed.tensor_parallel import output_shares
 from .failures import FailureLog
 from .flush.reader import WindowReader
 from .flush.window import Window
-from .settings import DETAILS, check_device, check_outputs, check_settings, check_step_number, check_window_size
+from .settings import (DETAILS, check_device, check_outputs, check_settings, check_step_number, check_window_size,
+                       warn_if_compiled_with_a_cache)  # fmt: skip
 from .settings import warn_about_wrappers
 from .pipeline import StepPipeline
 from .sinks.outputs import Outputs
@@ -73,6 +74,8 @@ class GradMonitor:
         self._scaler = scaler
         self._closed = True  # until attached: close() and __del__ have nothing to undo
         self._next_step = 0
+        if _compat.is_compiled_wrapper(model):
+            warn_if_compiled_with_a_cache(_compat.unwrap(model))
         model = _compat.unwrap(model)  # torch.compile(model): hooks and names on the model the user wrote
         self._layer_specs = discover_layers(model, include, exclude)  # a TypeError for a non-module
         self._include, self._exclude = include, exclude

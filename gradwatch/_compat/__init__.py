@@ -8,9 +8,9 @@ version counters (``capture/freshness.py``)."""
 from . import parallel
 from .amp import scaler_scale, scaler_unscaled
 from .autograd import in_backward, in_reentrant_checkpoint
-from .dynamo import forget_compiled_frames, guard_on_hooks, release_hook_guards, unwrap, user_name
+from .dynamo import forget_compiled_frames, guard_on_hooks, is_compiled_wrapper, release_hook_guards, unwrap, user_name
 
 __all__ = [
     "parallel", "scaler_scale", "scaler_unscaled", "in_backward", "in_reentrant_checkpoint",
-    "forget_compiled_frames", "guard_on_hooks", "release_hook_guards", "unwrap", "user_name",
+    "forget_compiled_frames", "guard_on_hooks", "is_compiled_wrapper", "release_hook_guards", "unwrap", "user_name",
 ]

@@ -43,6 +43,11 @@ def user_name(qualified: str) -> str:
     return ".".join(part for part in qualified.split(".") if part != _ORIG_MOD)
 
 
+def is_compiled_wrapper(module: Any) -> bool:
+    """Whether ``module`` is ``torch.compile``'s wrapper (``OptimizedModule``)."""
+    return _is_compiled_wrapper(module)
+
+
 def _is_compiled_wrapper(module: Any) -> bool:
     dynamo = sys.modules.get("torch._dynamo.eval_frame")
     wrapper = getattr(dynamo, "OptimizedModule", None)

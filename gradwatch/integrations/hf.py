@@ -30,7 +30,7 @@ from typing import Any, Optional, Union
 from ..alerts import Alert
 from ..config import HealthConfig
 from ..monitor import GradMonitor
-from ..settings import check_settings
+from ..settings import check_settings, warn_if_compiled_with_a_cache
 from .lifecycle import MonitorLifecycle, config_from, config_to_json, discover_scaler
 
 log = logging.getLogger("gradwatch")
@@ -151,7 +151,8 @@ class GradWatchCallback(TrainerCallback, _ExportableState):
             )  # fmt: skip
 
         self._lifecycle.attach([build])
-        _warn_if_compiled_with_a_cache(args, model)
+        if getattr(args, "torch_compile", False):  # the Trainer compiles the model whole
+            warn_if_compiled_with_a_cache(model)
         if accelerator is not None and hasattr(accelerator, "clip_grad_norm_"):
             self._wrap_clip(accelerator)
         if trainer is not None:
@@ -301,16 +302,3 @@ def _find_trainer(callback: object) -> Any:
         frame = frame.f_back
     return None
 
-
-def _warn_if_compiled_with_a_cache(args: Any, model: Any) -> None:
-    """``torch_compile=True`` with the model's KV cache on: a dynamo bug with tensor hooks (docs/reference.md,
-    "Compiled models") makes the whole-model graph fall apart into many; say so once, with the remedy."""
-    config = getattr(model, "config", None)
-    if getattr(args, "torch_compile", False) and getattr(config, "use_cache", False):
-        log.warning(
-            "gradwatch: this model is compiled whole with use_cache=True: a dynamo bug (tensor hooks beside the "
-            "cache's lazily set attributes) makes dynamo abandon the whole-model graph and compile it frame by "
-            "frame (a tiny GPT-2: 13 graphs instead of 2). Every statistic is still recorded. A training step "
-            "does not use the cache: TrainingArguments(use_cache=False) (the default), or "
-            "model.config.use_cache = False outside the Trainer (then 3 graphs)."
-        )

@@ -522,15 +522,6 @@ def _transformer_encoder():
     return model, lambda: torch.randn(4, 6, 8), lambda out, x: out.square().mean()
 
 
-def _tiny_llama_without_cache():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, vocab_size=100, max_position_embeddings=32, use_cache=False)  # fmt: skip
-    loss = lambda out, ids: nn.functional.cross_entropy(out.logits.reshape(-1, 100), ids.reshape(-1))  # noqa: E731
-    return LlamaForCausalLM(config), lambda: torch.randint(0, 100, (2, 16)), loss
-
-
 def _graphs_and_breaks(build, monitored: bool) -> tuple[int, int, int]:
     """(graphs, graph breaks, layers with an output-gradient statistic) of 8 steps of ``build()``'s model compiled whole."""
     torch._dynamo.reset()
@@ -554,7 +545,9 @@ def _graphs_and_breaks(build, monitored: bool) -> tuple[int, int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()), recorded
 
 
-@pytest.mark.parametrize("build", [_transformer_encoder, _tiny_llama_without_cache], ids=["transformer_encoder", "llama"])
+# Llama (tiny, use_cache=False) gives 1 and 2 graphs too (benchmarks/compile_graphs.py): left to the benchmark,
+# its compiles cost the suite 7.5 s of its 5-minute budget; GPT-2 is compiled by the Hugging Face tests.
+@pytest.mark.parametrize("build", [_transformer_encoder], ids=["transformer_encoder"])
 def test_real_models_compiled_whole_make_the_baseline_s_graphs_plus_at_most_one(build):
     graphs, breaks, _ = _graphs_and_breaks(build, monitored=False)
     monitored_graphs, monitored_breaks, recorded = _graphs_and_breaks(build, monitored=True)

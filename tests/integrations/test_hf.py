@@ -124,19 +124,18 @@ def test_torch_compile_records_every_statistic(tmp_path, caplog):
 
 
 def test_compiling_with_the_kv_cache_on_says_so_once_with_the_remedy(tmp_path, caplog):
-    # TrainingArguments(use_cache=True, torch_compile=True): the dynamo bug behind the DynamicCache
-    # limit (docs/reference.md) costs graphs; the callback says so when training begins.
-    from gradwatch.integrations.hf import _warn_if_compiled_with_a_cache
+    # A model compiled whole with use_cache=True (the dynamo bug behind the DynamicCache limit,
+    # docs/reference.md): said once at attach, by the monitor given the compiled wrapper, and not
+    # for the uncompiled model or without the cache.
+    from gradwatch import GradMonitor
 
     config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
     model = transformers.GPT2LMHeadModel(config)
     for use_cache, compiled, said in ((True, True, 1), (False, True, 0), (True, False, 0)):
         model.config.use_cache = use_cache
-        args = transformers.TrainingArguments(output_dir=str(tmp_path), torch_compile=compiled, use_cache=use_cache,
-                                              report_to=[])  # fmt: skip
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="gradwatch"):
-            _warn_if_compiled_with_a_cache(args, model)
+            GradMonitor(torch.compile(model) if compiled else model).close()
         messages = [r.getMessage() for r in caplog.records if "use_cache=True" in r.getMessage()]
         assert len(messages) == said and all("model.config.use_cache = False" in m for m in messages)
 
