@@ -115,6 +115,7 @@ class StepPipeline:
         if window.steps:  # not a window of update measurements alone
             self.last_window = window
             self.watch.check_hooks_ran(window)
+            self.watch.check_gradients_arrived(window)
         self._stop_on(new)
         return new
 

@@ -309,3 +309,31 @@ def test_without_strict_mode_the_same_error_is_one_warning_and_training_goes_on(
     monitor.close()
     failed = [r.getMessage() for r in caplog.records if "the dead-unit check failed" in r.getMessage()]
     assert len(failed) == 1 and "AttributeError: a bug inside gradwatch" in failed[0]
+
+
+# ------------------------------------------------------------ gradients taken before step(): said, not silent
+def _train_with_gradients_cleared_in_backward(clear: bool, caplog) -> GradMonitor:
+    """An optimizer stepped inside backward that clears each p.grad as it arrives (as DeepSpeed ZeRO
+    and optimizer-in-backward do): at step() no parameter holds a gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    if clear:
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    monitor = GradMonitor(model, flush_every=5)
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        for _ in range(10):
+            model(torch.randn(8, 4)).sum().backward()
+            monitor.step()
+            model.zero_grad()
+        monitor.close()
+    return monitor
+
+
+def test_gradients_taken_before_step_are_said_once_not_silently_missing(caplog):
+    _train_with_gradients_cleared_in_backward(True, caplog)
+    said = [r.getMessage() for r in caplog.records if "no parameter had a .grad at step()" in r.getMessage()]
+    assert len(said) == 1 and "DeepSpeed ZeRO" in said[0]
+    caplog.clear()
+    _train_with_gradients_cleared_in_backward(False, caplog)  # gradients in p.grad: nothing to say
+    assert not [r for r in caplog.records if "no parameter had a .grad" in r.getMessage()]

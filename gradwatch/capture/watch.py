@@ -101,6 +101,24 @@ class ModelWatch:
                 window.steps[0], window.steps[-1],
             )  # fmt: skip
 
+    def check_gradients_arrived(self, window: Any) -> None:
+        """Warn once when backward reached the layers (their output gradients were seen) but no
+        parameter had a ``.grad`` at any ``step()`` of the window: something takes the gradients
+        before ``step()`` (DeepSpeed ZeRO keeps them in its own buffers; an optimizer-in-backward
+        hook clears them), so every parameter-gradient statistic would be silently missing."""
+        if "gradients" in self._warned or not self.recorder.active:
+            return
+        if window.out_seen.any() and not window.has_grad.any() and self._once("gradients"):
+            log.warning(
+                "gradwatch: backward reached the model's layers in steps %d-%d (their output gradients were seen) "
+                "but no parameter had a .grad at step(), so grad_norm, grad_max, nonfinite, vanishing and exploding "
+                "have nothing to judge. Something takes the gradients before step(): DeepSpeed ZeRO keeps them in "
+                "its own buffers (not supported yet; use DDP or FSDP2's fully_shard), a hook that steps the "
+                "optimizer inside backward and clears p.grad, or zero_grad() called before step(). Call step() "
+                "where p.grad holds this step's gradients (after backward, before zero_grad).",
+                window.steps[0], window.steps[-1],
+            )  # fmt: skip
+
     def _once(self, key: str) -> bool:
         if key in self._warned:
             return False
