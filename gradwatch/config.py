@@ -34,10 +34,11 @@ class HealthConfig:
     #: return to where it has been).
     exploding_jump: float = 1e4
     #: ... where a column's own calm steps vary widely (batch size 1-2, a rare class, dropout), the
-    #: relative ceiling widens to its median x exp(this x the standard deviation of its last 50 calm
-    #: log-norms), never beyond ``exploding_jump`` x that median: a layer whose gradient normally
-    #: moves 20x between steps is not exploding at 20x (a z-score in log space, as production rules
-    #: judge spikes). 0 turns the widening off.
+    #: relative ceiling widens to its median x exp(this x its step-to-step log-spread: the standard
+    #: deviation of consecutive log-ratios of its last 50 calm values / sqrt(2)), never beyond
+    #: ``exploding_factor`` x the largest of those values nor ``exploding_jump`` x that median: a layer
+    #: whose gradient normally moves 20x between steps is not exploding at 20x (a z-score in log
+    #: space, as production rules judge spikes). 0 turns the widening off.
     exploding_spread_z: float = 5.0
     #: |output gradient| at or below this counts as zero for dead units.
     dead_eps: float = 0.0

@@ -74,9 +74,10 @@ class GradMonitor:
         self._scaler = scaler
         self._closed = True  # until attached: close() and __del__ have nothing to undo
         self._next_step = 0
-        if _compat.is_compiled_wrapper(model):
-            warn_if_compiled_with_a_cache(_compat.unwrap(model))
+        compiled = _compat.is_compiled_wrapper(model)
         model = _compat.unwrap(model)  # torch.compile(model): hooks and names on the model the user wrote
+        if compiled:
+            warn_if_compiled_with_a_cache(model)
         self._layer_specs = discover_layers(model, include, exclude)  # a TypeError for a non-module
         self._include, self._exclude = include, exclude
         warn_about_wrappers(model)

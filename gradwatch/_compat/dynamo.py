@@ -31,7 +31,7 @@ _saved_skip_hook_guards: bool | None = None
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The module a compiled wrapper (``torch.compile(model)``) stands for; the model itself otherwise."""
-    while _is_compiled_wrapper(model):
+    while is_compiled_wrapper(model):
         model = getattr(model, _ORIG_MOD)
     return model
 
@@ -45,10 +45,6 @@ def user_name(qualified: str) -> str:
 
 def is_compiled_wrapper(module: Any) -> bool:
     """Whether ``module`` is ``torch.compile``'s wrapper (``OptimizedModule``)."""
-    return _is_compiled_wrapper(module)
-
-
-def _is_compiled_wrapper(module: Any) -> bool:
     dynamo = sys.modules.get("torch._dynamo.eval_frame")
     wrapper = getattr(dynamo, "OptimizedModule", None)
     return wrapper is not None and isinstance(module, wrapper)
@@ -131,7 +127,7 @@ def forget_compiled_frames(model: nn.Module, wrappers: Iterable[nn.Module] = ())
     classes: dict[type, None] = {}
     for module in [model, *model.modules(), *wrappers]:
         classes.update(dict.fromkeys(type(module).__mro__))
-        if _is_compiled_wrapper(module):
+        if is_compiled_wrapper(module):
             add(getattr(module, "forward", None))
     for cls in classes:
         if cls.__module__.startswith("torch.") or cls is object:

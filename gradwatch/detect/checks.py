@@ -61,7 +61,7 @@ class HealthChecks:
         #: the model-level exploding check runs at every step (judge_step) instead of at the flush
         self.model_per_step = False
         self._model_exploded: Finding | None = None  # the per-step check's latest exploding finding since the flush
-        #: per step since the flush: the model's jump (``ExplodingRule.jump``) and whether it exploded
+        #: per step since the flush: the model's jump (``RowVerdict.jumps``) and whether it exploded
         self._model_steps: dict[int, tuple[float, bool]] = {}
         self.exploding = ExplodingRule(config, len(layers) + 1)  # the last column: the model
         self.vanishing = VanishingRule(config, layers, normalised_steps)
@@ -121,9 +121,7 @@ class HealthChecks:
             if persistent is not None:
                 findings.append(persistent)
         if self.model_per_step and s.has_grad:
-            column = len(self.layers)
-            jump = float(self.exploding.jump(np.array([s.global_norm]), np.array([column]))[0])
-            finding = self.exploding.judge_step(step, s.global_norm, column, "")
+            finding, jump = self.exploding.judge_step(step, s.global_norm, len(self.layers), "")
             self._model_steps[step] = (jump, finding is not None)  # for the layers' judgement at the flush
             if finding is not None:
                 self._model_exploded = finding

@@ -48,6 +48,9 @@ class RowVerdict:
     over: np.ndarray  # bool per column
     threshold: np.ndarray  # the ceiling each exploded value crossed (inf where none)
     why: list[str]
+    #: each value over the largest of its column's last RECENT_STEPS calm values before this step
+    #: (NaN: none): how far the step jumped, comparable across columns
+    jumps: np.ndarray
 
 
 class ExplodingRule:
@@ -73,11 +76,12 @@ class ExplodingRule:
     def judge_row(self, row: np.ndarray, cols: np.ndarray,
                   stands: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> RowVerdict:  # fmt: skip
         """Judge one step's values ``row`` of columns ``cols`` (NaN: no value), and move the rings
-        of the calm ones on. ``stands(over, jumps)``: which relative explosions stand (``jumps``:
-        ``jump`` of each value); the others are calm and enter the rings."""
+        of the calm ones on. ``stands(over, jumps)``: which relative explosions stand (``jumps``: as
+        in ``RowVerdict``); the others are calm and enter the rings."""
         cfg = self.config
-        jumps = self.jump(row, cols) if stands is not None else None
-        with np.errstate(invalid="ignore"):
+        with np.errstate(invalid="ignore", divide="ignore"):
+            top = np.fmax.reduce(self.recent[:, cols], axis=0)  # the largest recent calm value per column
+            jumps = row / top
             previous = self.last_calm[cols]
             jump_ceiling = np.where(previous > 0, cfg.exploding_jump * previous, np.inf)
             over_abs = row > cfg.exploding_abs_norm
@@ -87,7 +91,6 @@ class ExplodingRule:
             warm = self.judged[cols] >= cfg.exploding_warmup_steps
             # The level is max(top, median) >= top: a value within the factor of top is calm whatever
             # the median, so the median (a sort) is worked out only for the columns above it.
-            top = np.fmax.reduce(self.recent[:, cols], axis=0)
             candidates = warm & ~(row <= cfg.exploding_factor * top) & np.isfinite(row)
             if candidates.any():
                 picked = cols[candidates]
@@ -117,7 +120,7 @@ class ExplodingRule:
         self._remember(row, cols, np.isfinite(row) & ~over)
         self._relearn(row, cols, np.isfinite(row) & over)
         self.judged[cols] += 1
-        return RowVerdict(over, threshold, why)
+        return RowVerdict(over, threshold, why, jumps)
 
     def _relative_ceiling(self, picked: np.ndarray, top: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(ceilings, levels) of columns ``picked``, whose largest recent calm values are ``top``: the
@@ -167,21 +170,17 @@ class ExplodingRule:
             self.last_calm[settled] = values[done]
             self.exploded_streak[settled] = 0
 
-    def judge_step(self, step: int, value: float, col: int, name: str) -> Finding | None:
-        """The per-step judgement of one column (the model's global norm); None when calm."""
+    def judge_step(self, step: int, value: float, col: int, name: str) -> tuple[Finding | None, float]:
+        """The per-step judgement of one column (the model's global norm): (the finding, None when
+        calm; the step's jump, as in ``RowVerdict``, NaN for a non-finite value)."""
         if not np.isfinite(value):
             self.judged[col] += 1
-            return None  # a non-finite norm is the nonfinite check's
+            return None, float("nan")  # a non-finite norm is the nonfinite check's
         verdict = self.judge_row(np.array([value]), np.array([col]))
+        jump = float(verdict.jumps[0])
         if not verdict.over[0]:
-            return None
-        return Finding("exploding", name, step, value, float(verdict.threshold[0]), verdict.why[0])
-
-    def jump(self, values: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        """Each value over the largest of its column's last ``RECENT_STEPS`` calm values (NaN: none):
-        how far a step jumped, comparable across columns. Read before the step is judged."""
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return values / np.fmax.reduce(self.recent[:, cols], axis=0)
+            return None, jump
+        return Finding("exploding", name, step, value, float(verdict.threshold[0]), verdict.why[0]), jump
 
     def judge_window(self, table: np.ndarray, steps: list[int], cols: list[int], names: list[str],
                      stands: Callable[[int, np.ndarray, np.ndarray], np.ndarray] | None = None,

@@ -87,7 +87,7 @@ def _output_statistics(host: dict[str, np.ndarray], n: int, layout: Layout, ok: 
     running_bad = ~np.isfinite(host[FWD_SUM][:n])
     fwd_nonfinite = running_bad & ~np.vstack([np.zeros((1, n_layers), dtype=bool), running_bad[:-1]]) & ok[:, None]
     judged = np.where(ok[:, None], samples, 0.0)
-    rows_seen = np.rint(judged.sum(axis=0)).astype(np.int64)
+    rows_seen = rows_seen_of(judged)
     dead, unit_alive = dead_unit_fractions(host[UNIT_ACC], layout, rows_seen, dead_eps)
     output_stats: dict[str, np.ndarray] = {}
     if accumulator_count():  # the declared output statistics, on sampled steps that ran the layer
@@ -97,6 +97,12 @@ def _output_statistics(host: dict[str, np.ndarray], n: int, layout: Layout, ok: 
     return {"out_grad_norm": out_grad_norm, "out_seen": seen_out, "fwd_nonfinite": fwd_nonfinite,
             "rows_seen": rows_seen, "steps_judged": (judged > 0).sum(axis=0).astype(np.int64),
             "dead_fraction": dead, "unit_alive": unit_alive, "output_stats": output_stats}  # fmt: skip
+
+
+def rows_seen_of(samples: np.ndarray) -> np.ndarray:
+    """Per layer, the samples behind its dead-unit evidence: ``samples`` [steps, layer] (failed steps
+    already zeroed) summed over steps, as integers."""
+    return np.rint(samples.sum(axis=0)).astype(np.int64)
 
 
 def dead_unit_fractions(units: np.ndarray, layout: Layout, rows_seen: np.ndarray,

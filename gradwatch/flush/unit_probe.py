@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..capture.layout import OUT_GRAD, STEP_FAILED, UNIT_ACC, Layout
-from .decode import dead_unit_fractions
+from .decode import dead_unit_fractions, rows_seen_of
 
 
 class UnitProbe:
@@ -64,7 +64,7 @@ class UnitProbe:
             self._pending = None
             values = staged.double().numpy()
             count = int(self.layout.unit_count.sum())
-            return self._evidence(values[:count], values[count:])
+            return self._evidence(values[:count], rows_seen_of(values[None, count:]))
         return None
 
     def reset(self) -> None:
@@ -73,7 +73,7 @@ class UnitProbe:
 
     def _rows_seen(self, samples: np.ndarray) -> np.ndarray:
         ok = self.layout.buffer.host[STEP_FAILED][: len(samples)] == 0
-        return np.rint(np.where(ok[:, None], samples, 0.0).sum(axis=0)).astype(np.int64)
+        return rows_seen_of(np.where(ok[:, None], samples, 0.0))
 
     def _start_copy(self, slot: int) -> None:
         buffer = self.layout.buffer
@@ -88,6 +88,5 @@ class UnitProbe:
         self._pending = (staged, event)
 
     def _evidence(self, units: np.ndarray, rows_seen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        rows_seen = np.asarray(rows_seen).astype(np.int64)
         fractions, _ = dead_unit_fractions(np.asarray(units, dtype=np.float64), self.layout, rows_seen, self.dead_eps)
         return fractions, rows_seen

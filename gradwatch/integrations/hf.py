@@ -301,4 +301,3 @@ def _find_trainer(callback: object) -> Any:
             return candidate
         frame = frame.f_back
     return None
-

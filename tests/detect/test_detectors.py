@@ -377,7 +377,7 @@ def _judge_series(series, config) -> list[int]:
     from gradwatch.detect.exploding import ExplodingRule
 
     rule = ExplodingRule(config, 1)
-    return [t for t, value in enumerate(series) if rule.judge_step(t, float(value), 0, "") is not None]
+    return [t for t, value in enumerate(series) if rule.judge_step(t, float(value), 0, "")[0] is not None]
 
 
 def test_a_column_whose_steps_vary_widely_is_judged_against_its_own_spread():
