@@ -12,22 +12,16 @@ from torch import nn
 from . import _compat
 from .alerts import Alert, GradientHealthError
 from .capture.attach import build_recorder, build_updates
-from .capture.hooks import HookSet
-from .capture.layers import discover_layers, frozen_layers
-from .capture.watch import ModelWatch
+from .capture.layers import discover_layers
 from .config import HealthConfig
-from .detect.assemble import assemble
-from .distributed.agreement import agree_on_layout
 from .distributed.collectives import Collectives
 from .distributed.tensor_parallel import output_shares
 from .failures import FailureLog
-from .flush.reader import WindowReader
 from .flush.window import Window
-from .settings import (DETAILS, check_device, check_outputs, check_settings, check_step_number, check_window_size,
+from .settings import (DETAILS, check_callback, check_device, check_outputs, check_settings, check_step_number, check_window_size,
                        warn_if_compiled_with_a_cache)  # fmt: skip
 from .settings import warn_about_wrappers
-from .pipeline import StepPipeline
-from .sinks.outputs import Outputs
+from .stages import connect
 from .state import restore_state, saved_state
 
 log = logging.getLogger("gradwatch")
@@ -70,6 +64,7 @@ class GradMonitor:
                  metrics_callback: Callable[[dict[str, float], int], None] | None = None) -> None:  # fmt: skip
         self.config = config = check_settings(flush_every, config, detail)
         check_outputs(logdir, writer, scaler, sync_dist)
+        check_callback(metrics_callback)
         self.flush_every, self.detail, self.histograms = flush_every, detail, bool(histograms)
         self._scaler = scaler
         self._closed = True  # until attached: close() and __del__ have nothing to undo
@@ -96,43 +91,25 @@ class GradMonitor:
             project_units=config.dead_eps == 0, world_size=collectives.world_size, optimizer=optimizer,
             sample_every=DETAILS[detail], reduce_partials=collectives.reduce_partials,
         )  # fmt: skip
-        self._hooks: HookSet | None = None
-        self._outputs: Outputs | None = None
         try:  # from here on, a failure must leave no hook and no writer thread behind
-            self._attach(model, optimizer, logdir, writer, metrics_callback)
+            self._stages = connect(model, self._layer_specs, self._recorder, collectives, self._output_shares,
+                                   self._failures, config, optimizer=optimizer, scaler=scaler, flush_every=flush_every,
+                                   histograms=self.histograms, include=include, exclude=exclude, logdir=logdir,
+                                   writer=writer)  # fmt: skip
         except BaseException:
-            self._detach()
+            self._recorder.drop_references()
             raise
-        self._closed = False
-
-    def _attach(self, model: nn.Module, optimizer: Any, logdir: Any, writer: Any, metrics_callback: Any) -> None:
-        collectives, recorder, config = self._collectives, self._recorder, self.config
-        mesh = agree_on_layout(collectives, self._layer_specs, recorder, self._output_shares, self._failures)
-        self._names = list(mesh.names) if mesh is not None else [layer.name for layer in self._layer_specs]
-        is_writer = collectives.rank == 0  # only rank 0 writes
-        detection = assemble(config, self._names, optimizer, recorder, mesh is not None, self._failures,
-                             self._scaler, is_writer, reducing=lambda: collectives.enabled)  # fmt: skip
-        self._checks, self._tracker, self._judge = detection.checks, detection.tracker, detection.judge
-        self._per_step = detection.per_step
-        self._watch = ModelWatch(recorder, frozen_layers(model, self._include, self._exclude), self._layer_specs)
-        self._is_writer = is_writer
-        self._outputs = Outputs(self._failures, str(logdir) if is_writer and logdir else None, writer if is_writer else None,
-                                config.report_thresholds())  # fmt: skip
-        self._pipeline = StepPipeline(
-            recorder, self._watch, WindowReader(recorder, collectives, self._failures, mesh), detection, self._outputs,
-            config, self._failures, self.flush_every, self._scaler, self.histograms,
-        )  # fmt: skip
-        self._pipeline.layers, self._pipeline.optimizer = self._layer_specs, optimizer
+        self._names, self._tracker = self._stages.names, self._stages.detection.tracker
         if metrics_callback is not None:
             self.add_metrics_callback(metrics_callback)
-        self._hooks = HookSet(model, self._layer_specs, recorder.cells.taps)
+        self._closed = False
 
     # ------------------------------------------------------------ properties
     @property
     def last_window(self) -> Window | None:
         """The most recent flushed window (numpy arrays; None before the first flush)."""
-        pipeline = getattr(self, "_pipeline", None)
-        return pipeline.last_window if pipeline is not None else None
+        stages = getattr(self, "_stages", None)
+        return stages.pipeline.last_window if stages is not None else None
 
     @property
     def layers(self) -> list[str]:
@@ -172,7 +149,7 @@ class GradMonitor:
     def resume(self) -> None:
         """Record forward/backward calls again after :meth:`pause`."""
         self._collectives.paused = False
-        if not self._closed and not self._watch.stopped:
+        if not self._closed and not self._stages.watch.stopped:
             self._recorder.active = True
 
     def set_optimizer(self, optimizer: Any) -> None:
@@ -191,8 +168,8 @@ class GradMonitor:
             )
         new = build_updates(self, self._recorder, optimizer, self.flush_every)  # raises before anything changes
         self._recorder.replace_updates(new)
-        self._pipeline.optimizer = optimizer
-        self._watch.optimizer_steps_seen = 0
+        self._stages.pipeline.optimizer = optimizer
+        self._stages.watch.optimizer_steps_seen = 0
 
     def add_alert_callback(self, callback: Callable[[Alert], None]) -> None:
         """Call ``callback(alert)`` for every new alert, on the writing rank (rank 0) only. Every rank
@@ -204,10 +181,9 @@ class GradMonitor:
     def add_metrics_callback(self, callback: Callable[[dict[str, float], int], None]) -> None:
         """Send every flushed step's scalars to ``callback(metrics, step)`` (any tracker), in step order,
         on the writing rank; ``metrics`` maps TensorBoard's tags to floats. Raises TypeError."""
-        if not callable(callback):
-            raise TypeError(f"callback must be callable as callback(metrics: dict, step: int), got {callback!r}")
-        if self._is_writer and self._outputs is not None:
-            self._outputs.add_callback(callback)
+        check_callback(callback)
+        if self._stages.is_writer and self._stages.outputs is not None:
+            self._stages.outputs.add_callback(callback)
 
     # ------------------------------------------------------------------ step
     def step(self, global_step: int | None = None, *, grads_scaled: bool = False) -> list[Alert]:
@@ -228,12 +204,13 @@ class GradMonitor:
         if self._closed:
             raise RuntimeError("this GradMonitor is closed; create a new one to keep monitoring")
         global_step = check_step_number(global_step)
-        if self._watch.repeats_last_step():
+        stages = self._stages
+        if stages.watch.repeats_last_step():
             return []
         step = self._next_step if global_step is None else global_step
-        self._watch.check_step_number(step, self._next_step)
+        stages.watch.check_step_number(step, self._next_step)
         self._next_step = step + 1
-        return self._pipeline.step(step, grads_scaled)
+        return stages.pipeline.step(step, grads_scaled)
 
     def flush(self) -> list[Alert]:
         """Move buffered statistics to the host, write them, run the health checks; returns new alerts.
@@ -241,12 +218,12 @@ class GradMonitor:
         Raises:
             GradientHealthError: an alert of a kind in ``config.stop_on``.
         """
-        return self._pipeline.flush(final=False)
+        return self._stages.pipeline.flush(final=False)
 
     def _share_dashboard(self, layers: list[str], writes_layout: bool) -> None:
         """One of several monitors of one model on one writer (one per optimizer): the dashboard
         layout names ``layers``, and only one of them writes it."""
-        board = self._outputs.tensorboard if self._outputs is not None else None
+        board = self._board()
         if board is not None:
             board.share_layout(layers, writes_layout)
 
@@ -261,26 +238,12 @@ class GradMonitor:
             return
         self._closed = True
         try:
-            self._pipeline.flush(final=True)
+            self._stages.pipeline.flush(final=True)
         except GradientHealthError as exc:
             log.error("gradwatch: %s", exc)
         finally:
-            self._detach()
-
-    def _detach(self) -> None:
-        """Remove every hook and thread, and every reference to the model."""
-        hooks, outputs = self._hooks, self._outputs
-        self._hooks, self._outputs = None, None
-        if hooks is not None:
-            hooks.remove()
-        self._recorder.drop_references()  # the optimizer hooks too
-        if getattr(self, "_watch", None) is not None:
-            self._watch.drop_references()
-        if outputs is not None:
-            outputs.close()
-        self._layer_specs = []
-        if getattr(self, "_pipeline", None) is not None:
-            self._pipeline.layers, self._pipeline.optimizer = [], None
+            self._stages.detach(self._recorder)
+            self._layer_specs = []
 
     def __enter__(self) -> "GradMonitor":
         return self
@@ -293,8 +256,8 @@ class GradMonitor:
     def __del__(self) -> None:
         try:
             if not self._closed:
-                if self._hooks is not None:
-                    self._hooks.remove()
+                if self._stages.hooks is not None:
+                    self._stages.hooks.remove()
                 if self._recorder.updates is not None:
                     self._recorder.updates.remove()
         except Exception:
@@ -303,14 +266,18 @@ class GradMonitor:
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs: step count, detector baselines, alert state (bounded in size)."""
-        board = self._outputs.tensorboard if self._outputs is not None else None
-        return saved_state(self._next_step, self._names, self._checks, self._tracker, board)
+        return saved_state(self._next_step, self._names, self._stages.detection.checks, self._tracker, self._board())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (layers matched by name). Raises ValueError for anything else."""
-        board = self._outputs.tensorboard if self._outputs is not None else None
-        self._next_step = restore_state(state, self._checks, self._tracker, board)
-        self._recorder.layout.full_window = self._checks.wants_every_step  # a confirmation carried over
+        checks = self._stages.detection.checks
+        self._next_step = restore_state(state, checks, self._tracker, self._board())
+        self._recorder.layout.full_window = checks.wants_every_step  # a confirmation carried over
+
+    def _board(self) -> Any:
+        """The TensorBoard sink (None: this rank does not write, or the monitor is closed)."""
+        outputs = self._stages.outputs
+        return outputs.tensorboard if outputs is not None else None
 
 
 def _scale_of(scaler: Any) -> torch.Tensor | None:

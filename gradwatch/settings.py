@@ -36,6 +36,12 @@ def check_settings(flush_every: Any, config: Any, detail: Any) -> HealthConfig:
     return config if config is not None else HealthConfig()
 
 
+def check_callback(callback: Any) -> None:
+    """A metrics callback (None: none) must be callable as ``callback(metrics, step)``."""
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be callable as callback(metrics: dict, step: int), got {callback!r}")
+
+
 def check_outputs(logdir: Any, writer: Any, scaler: Any, sync_dist: Any) -> None:
     """The output and distribution arguments of GradMonitor; raises ValueError/TypeError naming the fix."""
     if logdir is not None and writer is not None:

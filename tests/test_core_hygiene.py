@@ -95,7 +95,7 @@ def test_no_host_sync_between_flushes(monkeypatch, param_path):
     monitor = GradMonitor(model, flush_every=5)
     _train(model, opt, monitor, 5, monkeypatch)  # warm up: first window, caches built, one flush
     monitored = _train(model, opt, monitor, 4, monkeypatch)  # steps 5..8: none of them flushes
-    assert monitor._judge._readback.host_path == (param_path == "cpu-path") and monitor._per_step
+    assert monitor._stages.detection.judge._readback.host_path == (param_path == "cpu-path") and monitor._stages.detection.per_step
     base_count = max(c for c, _ in baseline)
     for count, ops in monitored:
         assert count <= base_count, f"gradwatch read the device back between flushes: {ops}"
@@ -212,16 +212,28 @@ def test_data_parallel_is_one_warning_that_says_what_is_not_recorded(caplog):
     monitor.close()
 
 
-def test_construction_that_fails_part_way_leaves_no_hook_and_no_thread(tmp_path):
-    # The writer (a thread) is open and the optimizer hooks are registered when the bad metrics
-    # callback is found: everything built so far is taken down before the TypeError propagates.
+@pytest.mark.parametrize("failure", ["bad metrics callback", "hooks fail to register"])
+def test_construction_that_fails_part_way_leaves_no_hook_and_no_thread(tmp_path, monkeypatch, failure):
+    # A bad callback is refused before anything is built; a failure while the hooks go on (the
+    # last stage: the writer thread is open and the optimizer hooks are registered by then) takes
+    # down everything built so far before the error propagates.
     import threading
+
+    from gradwatch import stages
 
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = set(threading.enumerate())
-    with pytest.raises(TypeError, match="callback must be callable"):
-        GradMonitor(model, logdir=str(tmp_path), optimizer=opt, metrics_callback=42)
+    if failure == "bad metrics callback":
+        with pytest.raises(TypeError, match="callback must be callable"):
+            GradMonitor(model, logdir=str(tmp_path), optimizer=opt, metrics_callback=42)
+    else:
+        def refuse(*args, **kwargs):
+            raise RuntimeError("no hooks today")
+
+        monkeypatch.setattr(stages, "HookSet", refuse)
+        with pytest.raises(RuntimeError, match="no hooks today"):
+            GradMonitor(model, logdir=str(tmp_path), optimizer=opt)
     assert all(not m._forward_hooks for m in model.modules())
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
     left = [t for t in set(threading.enumerate()) - before if t.is_alive()]
@@ -280,7 +292,7 @@ def _probe_with_a_bug(monitor):
     def broken(slot):
         raise AttributeError("a bug inside gradwatch")
 
-    monitor._pipeline.units_probe.after_step = broken
+    monitor._stages.pipeline.units_probe.after_step = broken
 
 
 def _train_two_steps(monitor, model):

@@ -140,7 +140,7 @@ def test_a_disk_that_fails_every_write_costs_a_few_warnings_not_the_run(tmp_path
         monkeypatch.setattr(event_file_writer.EventFileWriter, "add_event", no_space)
     monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=5)
     if full_from == "after-opening":
-        assert monitor._outputs.tensorboard is not None
+        assert monitor._stages.outputs.tensorboard is not None
         monkeypatch.setattr(event_file_writer.EventFileWriter, "add_event", no_space)
         monkeypatch.setattr(event_file_writer.EventFileWriter, "flush", no_space)
         monkeypatch.setattr(event_file_writer.EventFileWriter, "close", no_space)
@@ -163,7 +163,7 @@ def test_an_exception_inside_the_checks_is_one_warning(monkeypatch, caplog):
     def broken(window):
         raise ZeroDivisionError("forced failure in the checks")
 
-    monkeypatch.setattr(monitor._checks, "check", broken)
+    monkeypatch.setattr(monitor._stages.detection.checks, "check", broken)
     with caplog.at_level(logging.WARNING, logger="gradwatch"):
         for _ in range(8):
             model(torch.randn(2, 3)).sum().backward()

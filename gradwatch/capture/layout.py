@@ -24,7 +24,7 @@ PARAM_PRESENT = "param_present"  # host [F, P] ranks on which the tensor had a g
 #: [F, 3, L] per layer: sum of squares of its output gradients, output-gradient calls, and the
 #: samples (batch rows) behind its dead-unit evidence; the cells' backward block, row by row.
 OUT_GRAD = "out_grad"
-FWD_SUM = "fwd_sum"  # [F, L] running sum of the outputs over the window: non-finite from the step an output was
+FWD_SUM = "fwd_sum"  # [F, L] sum of the layer's outputs at each step: non-finite at a step whose outputs were
 FWD_ORDER = "fwd_order"  # [F, L] the forward clock at the layer's first call (0: not recorded)
 #: [F, L, K] the declared output statistics' accumulators (registry.py), on sampled steps
 OUT_STATS = "out_stats"

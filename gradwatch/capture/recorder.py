@@ -147,6 +147,7 @@ class Recorder:
                 for cells in self.cells.devices:
                     cells.reset_step()
             self.slot = slot + 1
+            plan.step += 1
             plan.sampling = self.layout.is_sampled(self.slot)
 
     def _report_tap_failure(self) -> None:
@@ -254,16 +255,16 @@ class Recorder:
 class _CellMoves:
     """Moves one device's cells into a step's row: a few copies whatever the number of layers.
 
-    The forward sums are not zeroed at each step: the row gets their running sum over the
-    window, one copy per step (non-finite from the step a NaN or Inf appeared, see decode.py).
+    The forward sums are the step's own (non-finite at a step whose outputs were, see decode.py):
+    copied into the row, then zeroed, one op each per device whatever the number of layers.
     """
 
     def __init__(self, cells: DeviceCells, layout: Layout) -> None:
         buffer, flush_every = layout.buffer, layout.flush_every
         k = cells.n
         self.whole = k == len(layout.names)  # the usual case: every layer on the buffer's device
-        self.sums = cells.forward[:k]
-        self.first_calls = cells.forward[k:]
+        self.sums = cells.sums
+        self.first_calls = cells.first_calls
         self.out_grad = cells.backward[: 3 * k].view(3, k)
         self.out_sq = cells.backward[:k]
         self.units = cells.backward[3 * k :]
@@ -291,6 +292,7 @@ class _CellMoves:
                 self.units.mul_(inverse)
         if self.whole:
             self.fwd_rows[slot].copy_(self.sums)
+            self.sums.zero_()
             if sampled:
                 self.order_rows[slot].copy_(self.first_calls)
                 self.out_rows[slot].copy_(self.out_grad)
@@ -300,6 +302,7 @@ class _CellMoves:
             return
         to = self.to_buffer
         self.fwd_rows[slot].index_copy_(0, self.layer_index, self.sums.to(to, non_blocking=True))
+        self.sums.zero_()  # after the copy in stream order (a copy across devices syncs both streams)
         if sampled:
             self.order_rows[slot].index_copy_(0, self.layer_index, self.first_calls.to(to, non_blocking=True))
             self.out_rows[slot].index_copy_(1, self.layer_index, self.out_grad.to(to, non_blocking=True))

@@ -3,12 +3,17 @@
 Every module gradwatch watches gets one ``OutputTap``, registered as its forward hook.
 The tap and the tensor hook it puts on the module's output do nothing but tensor ops
 into *cells*: small tensors declared when the monitor attaches, one per layer and
-statistic, that accumulate the current step (the forward sums: the current window).
-``Recorder.record_step`` copies them into the step's row of the buffer and zeroes what a
-step accumulates. There is no logging, no host read, no
-Python container that grows, and no branch on strides in a tap, so the same code runs
-eagerly and inside ``torch.compile(fullgraph=True)`` (whole model or regional), and
-gives the same values in both.
+statistic, that accumulate the current step. ``Recorder.record_step`` copies them into
+the step's row of the buffer and zeroes what a step accumulates. There is no logging, no
+host read, no Python container that grows, and no branch on strides in a tap, so the same
+code runs eagerly and inside ``torch.compile(fullgraph=True)`` (whole model or regional),
+and gives the same values in both.
+
+The forward check, the only work at every step, is one op per layer in eager mode: a layer's
+first call of a step writes its output's sum straight into its cell (``sum(..., out=)``; the
+tap knows it is the first from ``Plan.step``, a Python int compiled code never reads); later
+calls of the same step add to it. Inside compiled code it is a sum and an add, which the
+compiler fuses into one kernel.
 
 What dynamo needs, each measured on torch 2.13 (tests/test_compile.py keeps them true):
 
@@ -57,12 +62,16 @@ class Plan:
     """What the taps should do at the current step; one object shared by every tap.
 
     ``sampling``: record every statistic (output gradients, dead-unit evidence, the
-    forward order), not only the forward check. ``active``: False while paused.
+    forward order), not only the forward check. ``active``: False while paused. ``step``: the
+    number of steps recorded so far.
     """
 
     def __init__(self) -> None:
         self.sampling = True
         self.active = True
+        #: Counts recorded steps: a tap that last checked an output at an earlier count is at its
+        #: step's first call (eager only; compiled code never reads it).
+        self.step = 0
         #: Some tap failed since the last step (its ``failure`` says how); reported at step(), not in the hook.
         self.failed = False
 
@@ -78,8 +87,9 @@ class DeviceCells:
 
     device: torch.device
     layers: np.ndarray  # global layer indices held here, in order
-    #: [running sum of the outputs over the window (n) | first-call clock value of the step (n)]
-    forward: torch.Tensor
+    #: [n] float32: the sum of each layer's outputs at this step (the forward check), zeroed at every step
+    sums: torch.Tensor
+    first_calls: torch.Tensor  # [n] first-call clock value of the step, in the stat dtype
     backward: torch.Tensor  # [sum of squares (n) | calls (n) | samples (n) | per-unit evidence (units)]
     clock: torch.Tensor  # [1], counts down at each sampled forward call
     #: [n x K] the declared output statistics' accumulators of the step (registry.py), sampled steps
@@ -92,16 +102,17 @@ class DeviceCells:
 
     def reset_step(self) -> None:
         """Zero what a sampled step accumulates: the backward cells and the forward clock (the
-        taps write them on sampled steps only). The forward sums run on over the window (see
-        ``reset_window``)."""
+        taps write them on sampled steps only). The forward sums are zeroed at every step, by
+        the copy that moves them into the step's row (``Recorder``)."""
         self.backward.zero_()
-        self.forward[self.n :].zero_()
+        self.first_calls.zero_()
         self.outputs.zero_()
         self.clock.fill_(CLOCK_START)
 
     def reset_window(self) -> None:
         """Zero every cell (a new window, or calls no step() will claim)."""
-        self.forward.zero_()
+        self.sums.zero_()
+        self.first_calls.zero_()
         self.backward.zero_()
         self.outputs.zero_()
         self.clock.fill_(CLOCK_START)
@@ -128,7 +139,8 @@ class Cells:
             cells = DeviceCells(
                 device=device,
                 layers=np.array(members, dtype=np.int64),
-                forward=torch.zeros(2 * n, dtype=dtype, device=device),
+                sums=torch.zeros(n, dtype=torch.float32, device=device),
+                first_calls=torch.zeros(n, dtype=dtype, device=device),
                 backward=torch.zeros(3 * n + sum(units), dtype=dtype, device=device),
                 clock=torch.full((1,), CLOCK_START, dtype=dtype, device=device),
                 outputs=torch.zeros(n * registry.accumulator_count(), dtype=dtype, device=device),
@@ -147,8 +159,8 @@ class Cells:
                 OutputTap(
                     layer,
                     self.plan,
-                    forward_sum=_alias(cells.forward, k, k + 1),
-                    first_call=_alias(cells.forward, n + k, n + k + 1),
+                    forward_sum=_alias(cells.sums, k, k + 1),
+                    first_call=_alias(cells.first_calls, k, k + 1),
                     clock=cells.clock,
                     out_sq=_alias(cells.backward, k, k + 1),
                     calls=_alias(cells.backward, n + k, n + k + 1),
@@ -166,7 +178,7 @@ class Cells:
         return sum(
             t.numel() * t.element_size()
             for cells in self.devices
-            for t in (cells.forward, cells.backward, cells.clock, cells.weights, cells.outputs)
+            for t in (cells.sums, cells.first_calls, cells.backward, cells.clock, cells.weights, cells.outputs)
         )
 
     def set_unit_sums(self, enabled: bool) -> None:
@@ -192,6 +204,9 @@ class OutputTap:
         self.layer_units = int(layer.units)
         self.channel_first = bool(layer.channel_first)
         self.forward_sum = forward_sum
+        # The same cell as a 0-d tensor: the out= of a one-op sum (eager; see record_output).
+        self.step_sum = forward_sum.data.view(())
+        self.checked_at = -1  # plan.step when this tap last checked an output (eager)
         self.first_call = first_call
         self.clock = clock
         self.out_sq = out_sq
@@ -262,12 +277,12 @@ class OutputTap:
         # mode off rather than detach(): one op fewer per call, and no autograd node.
         if out.device != self.forward_sum.device:
             return  # a replica on another device (nn.DataParallel): its cells are not there
-        dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
-        sampling = self.plan.sampling
+        plan = self.plan
+        sampling = plan.sampling
         _set_grad_enabled(False)
         try:
             # A DTensor output (SequenceParallel keeps one): this rank's piece (mesh.py combines them).
-            self.forward_sum.add_(local_tensor(out).sum(dtype=dtype))
+            self._check_forward(local_tensor(out), plan)
             if sampling:
                 if not _compat.in_backward():  # a recomputation inside backward is not forward order
                     self._advance_clock()
@@ -279,6 +294,20 @@ class OutputTap:
             _set_grad_enabled(True)  # the tap runs only with grad enabled
         if sampling and out.requires_grad:
             out.register_hook(self.on_output_grad)
+
+    def _check_forward(self, out: torch.Tensor, plan: Plan) -> None:
+        """Add the output's sum to the step's cell: one op at a layer's first call of a step in eager
+        mode (a sum written straight into the cell, which the step's copy zeroed: the output is
+        non-finite exactly when the sum is, or when it overflows float32, as alarming), two for
+        the calls after it and inside compiled code (a sum, then an add, which the compiler fuses)."""
+        if torch.compiler.is_compiling():
+            self.forward_sum.add_(out.sum(dtype=torch.float32))
+        elif self.checked_at != plan.step and out.dtype != torch.float64:
+            self.checked_at = plan.step
+            torch.sum(out, dim=None, dtype=torch.float32, out=self.step_sum)
+        else:
+            self.checked_at = plan.step
+            self.step_sum.add_(out.sum(dtype=torch.float32 if out.dtype != torch.float64 else torch.float64))
 
     # A copy of the model (copy.deepcopy: an EMA model, a reference twin; pickling for
     # torch.save(model)) copies its hook dicts: the copy's modules must not record into this

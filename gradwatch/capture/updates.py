@@ -64,9 +64,7 @@ class UpdateRatio:
                 "measured; pass the optimizer that steps this model (not a copy of its parameters)"
             )
         self._params: list[torch.Tensor] | None = params
-        self._acc = acc_dtype
-        self._write = write
-        self._on_error = on_error
+        self._acc, self._write, self._on_error = acc_dtype, write, on_error
         self.chunks = _chunks(self.columns, params, param_layer, flush_every)
         self.flush_every = flush_every
         # The per-step estimate: a fixed strided sample of each weight matrix the check judges,

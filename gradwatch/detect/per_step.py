@@ -37,7 +37,6 @@ class StepJudge:
         self._tracker = tracker
         self._failures = failures
         self._scaler_enabled = scaler_enabled
-        self._previous_forward: np.ndarray | None = None  # the last judged step's running forward sums
         self._window_order: list[int] = []  # the window's latest forward order
         #: a layer that had a gradient fell silent at a judged step (all its units dead at once):
         #: the pipeline then records the rest of the window in full, on fresh dead-unit evidence
@@ -55,15 +54,14 @@ class StepJudge:
             for values in self._readback.ready(wait=wait):
                 if values.order is not None:
                     self._window_order = forward_order(values.order)
-                summary = summarize(values, self._layout, self._previous_forward)
+                summary = summarize(values, self._layout)
                 silent = None
                 if summary.zero_grad and not values.failed:
-                    silent = silent_layers(values, self._layout, self._previous_forward)
+                    silent = silent_layers(values, self._layout)
                     fell = silent if self._silent is None else silent & ~self._silent  # silent now, not before
                     self.fell_silent |= self._checks.dead.fell_silent(fell, self._layout.unit_count,
                                                                       self._checks.vanishing.rms_peak)  # fmt: skip
                 self._silent = silent
-                self._previous_forward = values.forward
                 if values.failed or values.slot >= len(steps):
                     continue
                 findings += self._checks.judge_step(steps[values.slot], summary, self._window_order, scaler)
@@ -78,4 +76,3 @@ class StepJudge:
             return self.judge(None, steps, wait=True)
         finally:
             self._readback.clear()
-            self._previous_forward = None

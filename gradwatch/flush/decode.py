@@ -66,13 +66,12 @@ def _parameter_statistics(host: dict[str, np.ndarray], n: int, layout: Layout, o
             "global_grad_norm": global_norm, "nonfinite_counted": counted.copy()}  # fmt: skip
 
 
-def _called(running_sums: np.ndarray, first_calls: np.ndarray) -> np.ndarray:
+def _called(step_sums: np.ndarray, first_calls: np.ndarray) -> np.ndarray:
     """[step, layer] whether the layer ran at each step: exactly on sampled steps (the forward
-    clock of its first call), else from the forward check's running sums over the window (a call
-    adds its output's sum, so a step that changed nothing had no call; an output summing to
-    exactly 0.0 on an unsampled step reads as no call: only its zero gradient is left out)."""
-    previous = np.vstack([np.zeros((1, running_sums.shape[1])), running_sums[:-1]])
-    return (running_sums != previous) | (first_calls > 0)  # NaN != NaN: a non-finite output is a call
+    clock of its first call), else from the forward check's sums of the step (a step without a
+    call leaves its sum at zero; an output summing to exactly 0.0 on an unsampled step reads as
+    no call: only its zero gradient is left out)."""
+    return (step_sums != 0) | (first_calls > 0)  # NaN != 0: a non-finite output is a call
 
 
 def _output_statistics(host: dict[str, np.ndarray], n: int, layout: Layout, ok: np.ndarray, sampled: np.ndarray,
@@ -83,9 +82,8 @@ def _output_statistics(host: dict[str, np.ndarray], n: int, layout: Layout, ok: 
     seen_out = (calls > 0) & ok[:, None]
     with np.errstate(invalid="ignore"):
         out_grad_norm = np.where(seen_out, np.sqrt(out_sq), np.nan)
-    # FWD_SUM holds running sums over the window: non-finite from the step an output first was.
-    running_bad = ~np.isfinite(host[FWD_SUM][:n])
-    fwd_nonfinite = running_bad & ~np.vstack([np.zeros((1, n_layers), dtype=bool), running_bad[:-1]]) & ok[:, None]
+    # FWD_SUM holds each step's sums of the outputs: non-finite at the steps whose outputs were.
+    fwd_nonfinite = ~np.isfinite(host[FWD_SUM][:n]) & ok[:, None]
     judged = np.where(ok[:, None], samples, 0.0)
     rows_seen = rows_seen_of(judged)
     dead, unit_alive = dead_unit_fractions(host[UNIT_ACC], layout, rows_seen, dead_eps)

@@ -2,7 +2,7 @@
 
 ``nonfinite`` and model-level ``exploding`` are judged at every step, not only at the flush:
 after ``step()`` has written a step's row, the row's parameter-gradient sums of squares and
-non-finite counts, the layers' running forward sums and output-gradient sums of squares (and,
+non-finite counts, the layers' forward sums and output-gradient sums of squares (and,
 on sampled steps, the forward order) are
 
 - on the CPU path: read through numpy views of the buffer, which is host memory: the step is
@@ -41,7 +41,7 @@ class StepValues:
     sq: np.ndarray  # [P] per-tensor sums of squares
     nonfinite: np.ndarray  # [P] per-tensor non-finite counts (0 where not counted)
     present: np.ndarray  # [P] > 0: the tensor had a gradient (ranks that had it; a view of the host state)
-    forward: np.ndarray  # [L] running forward sums of the window
+    forward: np.ndarray  # [L] the step's forward sums
     out_sq: np.ndarray  # [L] output-gradient sums of squares (0 where not recorded)
     order: np.ndarray | None  # [L] forward clock at each layer's first call (sampled steps)
     failed: bool
@@ -178,7 +178,7 @@ class StepSummary:
             self.any_bad = bool(self.fwd_bad.any() or self.grad_bad.any())
 
 
-def summarize(values: StepValues, layout: Layout, previous_forward: np.ndarray | None) -> StepSummary:
+def summarize(values: StepValues, layout: Layout) -> StepSummary:
     """Per layer and for the model: what one step's host values say.
 
     This runs at every step, right after backward has swept the caches, where each distinct
@@ -197,10 +197,10 @@ def summarize(values: StepValues, layout: Layout, previous_forward: np.ndarray |
         none = _no_layer(len(layout.names))
         return StepSummary(has_grad, math.sqrt(total) if has_grad else math.nan, none, none, 0.0, any_bad=False,
                            zero_grad=0.0 in had)  # fmt: skip
-    return _summarize_exactly(values, layout, previous_forward)
+    return _summarize_exactly(values, layout)
 
 
-def _summarize_exactly(values: StepValues, layout: Layout, previous_forward: np.ndarray | None) -> StepSummary:
+def _summarize_exactly(values: StepValues, layout: Layout) -> StepSummary:
     """:func:`summarize` when something may not be finite: per-layer masks from every value."""
     n = len(layout.names)
     present = values.present > 0
@@ -211,8 +211,7 @@ def _summarize_exactly(values: StepValues, layout: Layout, previous_forward: np.
         bad_tensor = present & (~np.isfinite(values.sq) | (values.nonfinite > 0))
         grad_bad = np.bincount(layout.param_layer[bad_tensor], minlength=n) > 0
         grad_bad |= ~np.isfinite(values.out_sq)
-        running_bad = ~np.isfinite(values.forward)
-        fwd_bad = running_bad if previous_forward is None else running_bad & np.isfinite(previous_forward)
+        fwd_bad = ~np.isfinite(values.forward)
     count = float(np.rint(np.sum(np.where(present, values.nonfinite, 0.0))))
     return StepSummary(has_grad, norm, fwd_bad, grad_bad, count, zero_grad=bool(np.any(present & (values.sq == 0))))
 
@@ -231,12 +230,12 @@ def forward_order(first_calls: np.ndarray) -> list[int]:
     return [int(i) for i in ran[np.argsort(-first_calls[ran], kind="stable")]]
 
 
-def silent_layers(values: StepValues, layout: Layout, previous_forward: np.ndarray | None) -> np.ndarray:
-    """[L] layers that ran at this step (their running forward sum moved) and whose every parameter
+def silent_layers(values: StepValues, layout: Layout) -> np.ndarray:
+    """[L] layers that ran at this step (their forward sum is not zero) and whose every parameter
     gradient was exactly zero: every unit silent on every sample, or a path cut."""
     n = len(layout.names)
     present = values.present > 0
     nonzero = np.bincount(layout.param_layer, weights=present & (values.sq != 0), minlength=n) > 0
     held = np.bincount(layout.param_layer, weights=present, minlength=n) > 0
-    ran = np.ones(n, dtype=bool) if previous_forward is None else values.forward != previous_forward
+    ran = values.forward != 0
     return held & ~nonzero & ran

@@ -222,7 +222,7 @@ def test_nothing_recorded_under_no_grad_or_inference():
         model(torch.randn(2, 4))
     assert not out.requires_grad
     cells = monitor._recorder.cells.devices[0]
-    assert not cells.forward.any() and not cells.backward.any()  # the taps wrote nothing
+    assert not cells.sums.any() and not cells.first_calls.any() and not cells.backward.any()  # the taps wrote nothing
     monitor.close()
 
 
@@ -270,10 +270,10 @@ def test_buffer_memory_does_not_grow():
     assert len(set(sizes)) == 1
     # float64, declared at attach: per step 4 values per parameter tensor (4 tensors), 5 per
     # layer (2 layers), 1 failure mark and the activation statistics' 3 accumulators per layer
-    # (elements, sum of squares, zeros), over 3 steps; per window 9 units. The step's cells: 2
-    # forward and 3 backward values per layer, the units, the clock, 3 accumulators per layer; and
-    # the float32 projection weights (16384).
-    assert sizes[0] == 8 * (3 * (4 * 4 + 5 * 2 + 1 + 3 * 2) + 9) + 8 * (5 * 2 + 9 + 1 + 3 * 2) + 4 * 16384
+    # (elements, sum of squares, zeros), over 3 steps; per window 9 units. The step's cells: the
+    # first-call clock and 3 backward values per layer, the units, the clock, 3 accumulators per
+    # layer; and in float32 the forward check's sum per layer and the projection weights (16384).
+    assert sizes[0] == 8 * (3 * (4 * 4 + 5 * 2 + 1 + 3 * 2) + 9) + 8 * (4 * 2 + 9 + 1 + 3 * 2) + 4 * (2 + 16384)
     monitor.close()
 
 
@@ -294,7 +294,7 @@ def test_step_numbers_and_state_dict_round_trip(tmp_path):
     resumed.close()
     assert list(read_scalars(str(tmp_path / "b"))["gradwatch/grad_norm/0"]) == [104]
     # 4 steps of history came back with the state, plus the one recorded after resuming.
-    assert resumed._checks.steps_seen == 5
+    assert resumed._stages.detection.checks.steps_seen == 5
 
 
 @pytest.mark.parametrize("dead_eps,expected", [(0.0, 0.25), (1e-3, 0.5)])

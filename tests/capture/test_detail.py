@@ -7,6 +7,7 @@ so the default's budget is a test; its time is measured in benchmarks/.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 
 import numpy as np
@@ -73,18 +74,47 @@ def _ops_per_step(
 
 
 @pytest.mark.parametrize("make", [_mlp, _transformer], ids=["mlp8x512-batch64", "transformer4x256-adam"])
-def test_default_adds_at_most_eleven_percent_aten_ops_per_step(make):
-    plain, plain_ops = _ops_per_step(make, monitored=False, counted=10)  # the same every step
+def test_default_adds_at_most_eight_and_a_half_percent_aten_ops_per_step(make):
+    plain, plain_ops = _ops_per_step(make, monitored=False, window=2, counted=10)  # the same every step
     standard, standard_ops = _ops_per_step(make, monitored=True)
-    full, _ = _ops_per_step(make, monitored=True, detail="full", counted=10)
+    full, _ = _ops_per_step(make, monitored=True, detail="full", window=10, counted=10)
     plain_ops = collections.Counter({op: n * 5 for op, n in plain_ops.items()})  # per 50 steps
     extra = standard - plain
-    # 10% before the contract's activation statistics (act_rms, act_zero_fraction: 6 ops per layer
-    # call on sampled steps) were added; they measured +1.1 points on the MLP (9.8% -> 10.9%) and
-    # +0.9 on the Transformer (7.5% -> 8.4%). Issue #30 asks for +5%: the forward check alone is
-    # 2 ops per layer and step (18 of the MLP's 34).
-    assert extra <= 0.11 * plain, (plain, standard, (standard_ops - plain_ops).most_common(10))
+    # Measured: MLP +8.3% (26 ops: 9 forward checks, 5 for step() at every step, ~12 of the three
+    # sampled steps' statistics spread over the window), Transformer +6.0%. Before the forward
+    # check became one op per layer (#30): +10.9% and +8.4%. benchmarks/RESULTS.md says why the
+    # MLP cannot reach +5% with the contract's sampled statistics.
+    assert extra <= 0.085 * plain, (plain, standard, (standard_ops - plain_ops).most_common(10))
     assert full - plain > 2 * extra  # the budget is met by reading less, not by counting differently
+
+
+@pytest.mark.parametrize("make", [_mlp, _transformer], ids=["mlp8x512-batch64", "transformer4x256-adam"])
+def test_an_unsampled_step_adds_one_op_per_layer_and_a_fixed_few(make):
+    # #30: on a step that is not sampled the default does the forward check (one sum written into
+    # its cell per layer) and step()'s few ops for every layer at once (the gradient norms, the
+    # copy of the step's sums into its row): nothing else grows with the model.
+    def ops_of_slot(monitored: bool, slot: int = 8) -> tuple[int, collections.Counter, int]:
+        # slot 3 of the second window (its row views are made in the first)
+        torch.manual_seed(0)
+        model, x, y = make()
+        monitor = GradMonitor(model, flush_every=5) if monitored else None
+        layers = len(monitor.layers) if monitor is not None else 0
+        counter = OpCounter()
+        for step in range(slot + 1):
+            with counter if step == slot else contextlib.nullcontext():
+                nn.functional.cross_entropy(model(x), y).backward()
+                if monitor is not None:
+                    monitor.step()
+            model.zero_grad()
+        if monitor is not None:
+            monitor.close()
+        return counter.count, counter.ops, layers
+
+    plain, plain_ops, _ = ops_of_slot(False)
+    monitored, monitored_ops, layers = ops_of_slot(True)
+    extra = monitored_ops - plain_ops
+    assert extra[torch.ops.aten.sum.IntList_out] == layers  # one sum per layer, written into its cell
+    assert monitored - plain <= layers + 5, [(str(k), v) for k, v in extra.items()]
 
 
 def test_standard_records_grad_norm_every_step_and_the_rest_on_sampled_steps(tmp_path):

@@ -330,4 +330,4 @@ def test_hundred_attach_close_cycles_leave_nothing_behind():
     out.sum().backward()
     for recorder in (recorders[0], recorders[-1]):
         cells = recorder.cells.devices[0]
-        assert not cells.forward.any() and not cells.backward.any() and not recorder.buffer["out_grad"].any()
+        assert not cells.sums.any() and not cells.first_calls.any() and not cells.backward.any() and not recorder.buffer["out_grad"].any()

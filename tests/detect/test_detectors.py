@@ -195,7 +195,7 @@ def test_gradscaler_skipped_steps_are_not_alerts(caplog):
             opt.zero_grad()
         monitor.close()
     assert monitor.alerts == []
-    assert monitor._checks.skipped_steps == 2
+    assert monitor._stages.detection.checks.skipped_steps == 2
     assert float(scaler.get_scale()) == 2.0**14  # the scaler did skip (and back off) twice
     assert any("skipped" in r.getMessage() for r in caplog.records)
 
@@ -269,7 +269,7 @@ def test_healthy_training_raises_nothing(factory):
     alerts = _train(model, monitor, 200, make, loss_fn, opt=opt)
     assert alerts == [], [a.message for a in alerts]
     # the run really trained and really was monitored
-    assert monitor._checks.steps_seen == 200
+    assert monitor._stages.detection.checks.steps_seen == 200
 
 
 # ------------------------------------------------------------ config & stop

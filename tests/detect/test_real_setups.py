@@ -168,7 +168,7 @@ def test_a_converging_fit_is_not_vanishing():
         opt.zero_grad()
     monitor.close()
     assert min(losses[-100:]) < 1e-9 < losses[0]  # it did converge, far
-    assert monitor._checks.vanishing.rms_peak[0] > 1e5 * monitor.last_window.grad_rms[-1, 0]  # 5 decades down
+    assert monitor._stages.detection.checks.vanishing.rms_peak[0] > 1e5 * monitor.last_window.grad_rms[-1, 0]  # 5 decades down
     assert [a.message for a in alerts + monitor.alerts] == []
 
 
@@ -618,3 +618,35 @@ def test_every_layer_jumping_with_a_calm_model_is_not_a_per_layer_explosion():
     outcome = corpus.execute(corpus.Run("mlp", recipe, 102, flush_every=25))
     assert outcome.real  # healthy by the benchmark's own measurements
     assert outcome.alerts == []
+
+
+@pytest.mark.parametrize("bad_micro_batch", [0, 3])
+def test_a_nan_in_one_micro_batch_of_an_unsampled_step_is_named_at_its_layer(bad_micro_batch):
+    # Four micro-batches per optimizer step: each layer's forward check is written by its first
+    # call of the step and added to by the next three (#30: one op at the first call). A NaN made
+    # in layer 2's output in one micro-batch only, first or last, at an unsampled step, is named
+    # there at that step, and the window's record has it at that step only.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    monitor = GradMonitor(model, flush_every=20)  # default detail: slots 0, 1 sampled, 7 not
+    bad_step, alerts = 7, {}
+
+    def poison(module, args, output):
+        output = output.clone()
+        output[0, 3] = float("nan")
+        return output
+
+    for step in range(20):
+        for micro in range(4):
+            handle = model[2].register_forward_hook(poison, prepend=True) if (step, micro) == (bad_step, bad_micro_batch) else None
+            model(torch.randn(4, 8)).sum().backward()
+            if handle is not None:
+                handle.remove()
+        alerts[step] = [(a.kind, a.layer) for a in monitor.step()]
+        model.zero_grad()
+    window = monitor.last_window
+    monitor.close()
+    assert alerts[bad_step] == [("nonfinite", "2")], alerts[bad_step]
+    assert all(a == [] for step, a in alerts.items() if step != bad_step), alerts
+    assert window.fwd_nonfinite.any(axis=1).tolist() == [step == bad_step for step in range(20)]
+    assert window.fwd_nonfinite[bad_step].tolist() == [False, True, True]  # and downstream of it

@@ -28,48 +28,51 @@ def _values(sq, present, nonfinite=None, forward=None, out_sq=None) -> StepValue
 def test_finite_step_gives_the_norm_over_present_tensors_and_no_flag():
     sq = [4.0, 9.0, 1e30, 0.25, 16.0]
     present = [1, 1, 0, 1, 2]  # tensor 2 had no gradient this step (its column is ignored); 2 ranks had tensor 4
-    s = summarize(_values(sq, present), _LAYOUT, None)
+    s = summarize(_values(sq, present), _LAYOUT)
     expected = math.sqrt(np.sum(np.array(sq)[np.array(present) > 0], dtype=np.float64))
     assert s.global_norm == pytest.approx(expected, rel=1e-15)
     assert s.has_grad and not s.any_bad and not s.fwd_bad.any() and not s.grad_bad.any() and s.count == 0.0
 
 
 def test_no_gradient_at_all_gives_a_nan_norm():
-    s = summarize(_values([0.0] * 5, [0] * 5), _LAYOUT, None)
+    s = summarize(_values([0.0] * 5, [0] * 5), _LAYOUT)
     assert not s.has_grad and math.isnan(s.global_norm) and not s.any_bad
 
 
 def test_a_nan_in_an_absent_column_is_ignored_by_the_exact_path():
-    s = summarize(_values([1.0, 1.0, math.nan, 1.0, 1.0], [1, 1, 0, 1, 1]), _LAYOUT, None)
+    s = summarize(_values([1.0, 1.0, math.nan, 1.0, 1.0], [1, 1, 0, 1, 1]), _LAYOUT)
     assert s.global_norm == pytest.approx(2.0) and not s.any_bad
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_a_non_finite_gradient_flags_its_layer(bad):
-    s = summarize(_values([1.0, 1.0, 1.0, bad, 1.0], [1] * 5, nonfinite=[0, 0, 0, 7, 0]), _LAYOUT, None)
+    s = summarize(_values([1.0, 1.0, 1.0, bad, 1.0], [1] * 5, nonfinite=[0, 0, 0, 7, 0]), _LAYOUT)
     assert s.any_bad and s.grad_bad.tolist() == [False, False, True] and not s.fwd_bad.any() and s.count == 7.0
 
 
 def test_opposite_infinities_do_not_cancel_into_a_finite_step():
     # +inf and -inf running forward sums: their sum is NaN, not a finite number
-    s = summarize(_values([1.0] * 5, [1] * 5, forward=[math.inf, -math.inf, 0.0]), _LAYOUT, None)
+    s = summarize(_values([1.0] * 5, [1] * 5, forward=[math.inf, -math.inf, 0.0]), _LAYOUT)
     assert s.any_bad and s.fwd_bad.tolist() == [True, True, False]
 
 
-def test_a_forward_that_was_already_non_finite_is_not_flagged_again():
-    previous = np.array([1.0, math.inf, 0.0])
-    s = summarize(_values([1.0] * 5, [1] * 5, forward=[1.0, math.inf, math.nan]), _LAYOUT, previous)
-    assert s.fwd_bad.tolist() == [False, False, True]
+def test_each_step_is_judged_on_its_own_forward_sums():
+    # the sums are the step's own: a layer non-finite at two steps in a row is flagged at both,
+    # and one that recovered is clear again
+    first = summarize(_values([1.0] * 5, [1] * 5, forward=[1.0, math.inf, math.nan]), _LAYOUT)
+    second = summarize(_values([1.0] * 5, [1] * 5, forward=[1.0, math.inf, 2.0]), _LAYOUT)
+    assert first.fwd_bad.tolist() == [False, True, True]
+    assert second.fwd_bad.tolist() == [False, True, False]
 
 
 def test_a_non_finite_output_gradient_flags_its_layer():
-    s = summarize(_values([1.0] * 5, [1] * 5, out_sq=[0.0, math.inf, 0.0]), _LAYOUT, None)
+    s = summarize(_values([1.0] * 5, [1] * 5, out_sq=[0.0, math.inf, 0.0]), _LAYOUT)
     assert s.any_bad and s.grad_bad.tolist() == [False, True, False]
 
 
 def test_finite_values_whose_sum_overflows_flag_nothing():
     # each square is finite; their total overflows: the exact path finds no bad layer
-    s = summarize(_values([1e308, 1e308, 1.0, 1.0, 1.0], [1] * 5), _LAYOUT, None)
+    s = summarize(_values([1e308, 1e308, 1.0, 1.0, 1.0], [1] * 5), _LAYOUT)
     assert not s.any_bad and math.isinf(s.global_norm)
 
 
@@ -88,14 +91,14 @@ def _staged_monitor(monkeypatch, ring: int, **kwargs):
     monkeypatch.setattr(readback, "_RING", ring)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     monitor = GradMonitor(model, **kwargs)
-    assert not monitor._judge._readback.host_path and monitor._per_step
+    assert not monitor._stages.detection.judge._readback.host_path and monitor._stages.detection.per_step
     return torch, model, monitor
 
 
 def _record_judged(monitor):
     """Wrap the per-step checks to record (step, global norm) of every step they judge."""
     judged = []
-    checks = monitor._judge._checks
+    checks = monitor._stages.detection.judge._checks
     original = checks.judge_step
 
     def judge_step(step, summary, *args):
@@ -111,7 +114,7 @@ def test_a_full_ring_grows_and_every_step_is_judged_in_order(monkeypatch):
     # step() looks (simulated: ready() finds nothing), so steps 1-3 find the one slot in flight.
     # Every step must still be judged per step, in order, with its own values.
     torch, model, monitor = _staged_monitor(monkeypatch, ring=1, flush_every=10)
-    readback = monitor._judge._readback
+    readback = monitor._stages.detection.judge._readback
     original_ready = readback.ready
     lagging = {"on": True}
     monkeypatch.setattr(readback, "ready", lambda wait=False: [] if lagging["on"] and not wait else original_ready(wait))

@@ -86,14 +86,17 @@ def test_report_text_table_is_aligned(demo_runs, capsys):
 
 @pytest.mark.slow
 def test_console_script_and_module_entry_point(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "gradwatch", "demo", "--steps", "5", "--logdir", str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert f"tensorboard --logdir {tmp_path}" in result.stdout
-    bad = subprocess.run([sys.executable, "-m", "gradwatch", "demo", "--steps", "0"], capture_output=True, text=True)
-    assert bad.returncode == 2 and ">= 1" in bad.stderr
+    # both at once: each is a fresh interpreter importing torch (seconds on the CI machine)
+    demo, bad = (
+        subprocess.Popen([sys.executable, "-m", "gradwatch", "demo", *argv], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+        for argv in (["--steps", "5", "--logdir", str(tmp_path)], ["--steps", "0"])
+    )
+    out, err = demo.communicate(timeout=120)
+    assert demo.returncode == 0, err
+    assert f"tensorboard --logdir {tmp_path}" in out
+    _, bad_err = bad.communicate(timeout=120)
+    assert bad.returncode == 2 and ">= 1" in bad_err
     script = os.path.join(os.path.dirname(sys.executable), "gradwatch")
     if os.path.exists(script):
         assert subprocess.run([script, "report", str(tmp_path)], capture_output=True).returncode == 0
@@ -185,7 +188,7 @@ def test_the_window_of_an_alert_always_gets_its_heatmap(tmp_path):
 
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     with GradMonitor(model, logdir=str(tmp_path), flush_every=5) as monitor:
-        clock = _fake_heatmap_clock(monitor._outputs.tensorboard)
+        clock = _fake_heatmap_clock(monitor._stages.outputs.tensorboard)
         for step in range(60):  # 0.1 ms steps, 10 ms drawings: the 1% budget leaves most windows undrawn
             clock.advance(1e-4)
             out = model(torch.randn(4, 4))
@@ -377,8 +380,8 @@ def _heatmap_steps(tmp_path, budget, steps=7, step_seconds=1e-4):
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
     with GradMonitor(model, logdir=str(tmp_path), flush_every=2) as monitor:
         if budget is not None:
-            monitor._outputs.tensorboard.heatmap_budget = budget
-        clock = _fake_heatmap_clock(monitor._outputs.tensorboard)
+            monitor._stages.outputs.tensorboard.heatmap_budget = budget
+        clock = _fake_heatmap_clock(monitor._stages.outputs.tensorboard)
         for _ in range(steps):  # full windows of 2 steps, the last one partial, flushed by close()
             clock.advance(step_seconds)  # a drawing takes 10 ms on this clock
             model(torch.randn(2, 3)).sum().backward()
