@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from typing import Any, Callable
 
@@ -19,38 +21,101 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: Modules imported once by the fork server the gloo processes are forked from: importing torch
+#: took 3-5 s per process on the 2-core CI machine, for every rank of every distributed test.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp", "gradwatch",
+            "tests.gloo_worker"]  # fmt: skip
+_context: Any = None
+
+
+def _fork_server() -> Any:
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(_PRELOAD)
+    return _context
+
+
+def _child(argv: list[str], env: dict[str, str], log_path: str) -> None:
+    """A forked rank: the test's environment and working directory, its output into ``log_path``, then
+    ``python -m tests.gloo_worker argv`` as it would run (``run_worker`` ends the process)."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(ROOT)
+    from tests import gloo_worker
+
+    gloo_worker.main(argv)
+
+
 def spawn(module: str, world: int, out_path: str, *args: str, timeout: float = 240,
           scenario: str | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """Run ``python -m module [scenario] rank world port out_path *args`` in ``world`` processes;
     return each rank's JSON. (Tests use the ``gloo`` fixture: ``tests.gloo_worker`` with a scenario.)
+    ``tests.gloo_worker`` ranks are forked from a server that imported torch once (each is still a
+    fresh process with the test's environment); any other module runs as its own interpreter.
 
     Fails with every rank's output when a process exits non-zero (a crash, an abort,
     a hang past ``timeout``).
     """
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", module, *([scenario] if scenario else []), str(rank), str(world), str(port),
-             out_path, *args],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        for rank in range(world)
-    ]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            logs.append("TIMEOUT")
-    codes = [p.returncode for p in procs]
-    assert all(code == 0 for code in codes), f"exit codes {codes}\n" + "\n---\n".join(logs)[-6000:]
+    argvs = [[*([scenario] if scenario else []), str(rank), str(world), str(port), out_path, *args]
+             for rank in range(world)]  # fmt: skip
+    if module == "tests.gloo_worker":
+        logs = _run_forked(argvs, out_path, timeout)
+    else:
+        logs = _run_interpreters(module, argvs, timeout)
+    codes = [code for code, _ in logs]
+    assert all(code == 0 for code in codes), f"exit codes {codes}\n" + "\n---\n".join(log for _, log in logs)[-6000:]
     results = []
     for rank in range(world):
         with open(f"{out_path}.{rank}") as f:
             results.append(json.load(f))
     return results
+
+
+def _run_forked(argvs: list[list[str]], out_path: str, timeout: float) -> list[tuple[int | None, str]]:
+    context = _fork_server()
+    env = dict(os.environ)
+    paths = [f"{out_path}.log{rank}" for rank in range(len(argvs))]
+    procs = [context.Process(target=_child, args=(argv, env, path)) for argv, path in zip(argvs, paths)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    timed_out = any(p.is_alive() for p in procs)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    logs = []
+    for p, path in zip(procs, paths):  # a killed rank's exit code is negative
+        with open(path, errors="replace") as f:
+            logs.append((p.exitcode, f.read() + ("\nTIMEOUT" if timed_out else "")))
+    return logs
+
+
+def _run_interpreters(module: str, argvs: list[list[str]], timeout: float) -> list[tuple[int | None, str]]:
+    procs = [
+        subprocess.Popen([sys.executable, "-m", module, *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        for argv in argvs
+    ]
+    logs = []
+    for p in procs:
+        try:
+            out = p.communicate(timeout=timeout)[0]
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out = p.communicate()[0] + "\nTIMEOUT"
+        logs.append((p.returncode, out))
+    return logs
 
 
 def run_worker(body: Callable[[int, int], dict[str, Any]]) -> None:

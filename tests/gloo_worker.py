@@ -9,9 +9,14 @@ import sys
 
 from tests.dist_helpers import run_worker
 
-if __name__ == "__main__":
-    module, _, function = sys.argv[1].partition(":")
+def main(argv: list[str]) -> None:
+    """``argv``: ``MODULE:FUNCTION rank world port out_path *args`` (the command line without the program)."""
+    module, _, function = argv[0].partition(":")
     scenario = getattr(importlib.import_module(module), function)
-    args = sys.argv[6:]
-    sys.argv = [sys.argv[0], *sys.argv[2:6]]  # rank world port out_path, as run_worker reads them
+    args = argv[5:]
+    sys.argv = [sys.argv[0], *argv[1:5]]  # rank world port out_path, as run_worker reads them
     run_worker(lambda rank, world: scenario(rank, world, *args))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
