@@ -4,9 +4,10 @@
 
 Runs two demos (a healthy one and a deep sigmoid stack whose gradients vanish) into a
 temporary folder, starts `tensorboard` on it with its default settings (the dashboard
-tests' server, tests/tensorboard_server.py), and takes screenshots of the Custom Scalars,
-Images and Text tabs with headless Chromium (Debian: `apt-get install chromium`). Nothing
-here runs in the test suite.
+tests' server, tests/tensorboard_server.py), and takes screenshots with headless Chromium
+(Debian: `apt-get install chromium`): the gradwatch tab at 1280x800 with the vanishing run
+compared beside the healthy one after clicking its first alert (driven like the suite's
+browser test, tests/browser.py), then the Custom Scalars, Images and Text tabs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gradwatch.demo import run_demo  # noqa: E402
+from tests.browser import Browser  # noqa: E402
 from tests.tensorboard_server import TensorBoardServer  # noqa: E402
 
 TABS = {"custom_scalars": "dashboard-custom-scalars.png", "images": "dashboard-heatmap.png", "text": "dashboard-alerts.png"}
@@ -42,6 +44,7 @@ def main() -> None:
         try:
             server.wait_for("images", "gradwatch/gradient_flow_at_alerts")
             server.wait_for("scalars", "gradwatch/log10_grad_rms/50")
+            tab_screenshot(server, os.path.join(args.out, "dashboard-tab.png"))
             for tab, name in TABS.items():
                 path = os.path.join(args.out, name)
                 subprocess.run(
@@ -55,6 +58,28 @@ def main() -> None:
                 print(f"wrote {path}")
         finally:
             server.close()
+
+
+def tab_screenshot(server: TensorBoardServer, path: str) -> None:
+    """The gradwatch tab as a user sees it: the vanishing run beside the healthy one, its first alert clicked."""
+    browser = Browser(1280, 800)
+    try:
+        browser.open(f"{server.url}/data/plugin_entry.html?name=gradwatch")
+        browser.wait_for("document.querySelectorAll('canvas.heatmap').length === 1")
+        runs = browser.evaluate("[...document.getElementById('run-a').options].map(o => o.value)")
+        vanishing = next(r for r in runs if r.startswith("vanishing"))
+        healthy = next(r for r in runs if r.startswith("none"))
+        for select, run in (("run-a", vanishing), ("run-b", healthy)):
+            browser.evaluate(f"(() => {{ const s = document.getElementById('{select}'); s.value = '{run}';"
+                             " s.dispatchEvent(new Event('change')); })()")  # fmt: skip
+            browser.wait_for(f"document.querySelector('.panel[data-run=\"{run}\"]') !== null")
+        browser.evaluate("document.querySelectorAll('tr.alert')[0].click()")
+        browser.wait_for("document.getElementById('zoom-label').textContent")
+        browser.wait_for("document.querySelectorAll('canvas.heatmap').length === 2")
+        browser.screenshot(path)
+        print(f"wrote {path}")
+    finally:
+        browser.close()
 
 
 if __name__ == "__main__":

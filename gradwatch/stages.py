@@ -72,7 +72,7 @@ def connect(model: nn.Module, layers: list[LayerSpec], recorder: Recorder, colle
                          reducing=lambda: collectives.enabled)  # fmt: skip
     watch = ModelWatch(recorder, frozen_layers(model, include, exclude), layers)
     outputs = Outputs(failures, str(logdir) if is_writer and logdir else None, writer if is_writer else None,
-                      config.report_thresholds())  # fmt: skip
+                      config.report_thresholds(), {layer.name: type(layer.module).__name__ for layer in layers})  # fmt: skip
     try:
         pipeline = StepPipeline(recorder, watch, WindowReader(recorder, collectives, failures, mesh), detection,
                                 outputs, config, failures, flush_every, scaler, histograms)  # fmt: skip

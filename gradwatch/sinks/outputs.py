@@ -34,13 +34,15 @@ class Outputs:
         logdir: a folder for a TensorBoard writer gradwatch owns (None: none).
         writer: the user's ``SummaryWriter`` (used, never closed), or None.
         thresholds: the health checks' thresholds, written beside the layer list for ``gradwatch report``.
+        layer_types: each layer's module type (name -> class name), written with the layer list.
     """
 
     def __init__(self, failures: FailureLog, logdir: str | None, writer: Any,
-                 thresholds: dict[str, Any] | None = None) -> None:  # fmt: skip
+                 thresholds: dict[str, Any] | None = None, layer_types: dict[str, str] | None = None) -> None:  # fmt: skip
         self._failures = failures
         self._logdir = logdir
         self._thresholds = thresholds
+        self._layer_types = dict(layer_types or {})
         self.tensorboard: TensorBoardSink | None = self._sink(writer, owns_writer=False) if writer is not None else None
         #: (log name, callback) of each metrics callback: every flushed step's scalars, in step order
         self.callbacks: list[tuple[str, MetricsCallback]] = []
@@ -49,6 +51,7 @@ class Outputs:
     def _sink(self, writer: Any, owns_writer: bool) -> TensorBoardSink:
         sink = TensorBoardSink(writer, owns_writer=owns_writer)
         sink.thresholds = self._thresholds
+        sink.layer_types = self._layer_types
         return sink
 
     def add_callback(self, callback: MetricsCallback) -> None:

@@ -63,12 +63,30 @@ def alerts_markdown(alerts: list[Alert], steps: tuple[int, int]) -> str:
     return "\n".join(lines)
 
 
-def layers_markdown(layers: list[str], thresholds: dict[str, Any] | None = None) -> str:
+def layers_markdown(layers: list[str], thresholds: dict[str, Any] | None = None,
+                    types: dict[str, str] | None = None) -> str:  # fmt: skip
     """The monitored layers on one line to read, and as JSON (in a comment) to parse; with the
-    health checks' thresholds (``gradwatch report`` explains values over them without an alert)."""
-    shown = ", ".join(f"`{name}`" for name in layers)
+    health checks' thresholds (``gradwatch report`` explains values over them without an alert)
+    and the layers' module types (``types``: name -> class name; shown where a name is an index)."""
+    types = types or {}
+    shown = ", ".join(f"`{display_name(name, types.get(name))}`" for name in layers)
     text = f"**{len(layers)} monitored layers**, in module order: {shown}\n\n{_json_comment('layers', layers)}"
+    if types:
+        text += f"\n\n{_json_comment('layer-types', {name: types[name] for name in layers if name in types})}"
     return text if thresholds is None else f"{text}\n\n{_json_comment('thresholds', thresholds)}"
+
+
+def display_name(name: str, module_type: str | None) -> str:
+    """A layer's name as shown: with its module type where the name ends in an index (``2 (Linear)``,
+    ``blocks.0.1 (LayerNorm)``), where the name alone does not say what the layer is."""
+    last = name.rsplit(".", 1)[-1]
+    return f"{name} ({module_type})" if module_type and last.isdigit() else name
+
+
+def parse_layer_types_markdown(text: str) -> dict[str, str]:
+    """The module types :func:`layers_markdown` wrote ({} for logs written before they were)."""
+    found = _json_comments("layer-types", text)
+    return dict(found[0]) if found else {}
 
 
 def parse_thresholds_markdown(text: str) -> dict[str, Any] | None:
@@ -95,28 +113,17 @@ def parse_alerts_markdown(text: str) -> list[dict[str, Any]]:
 LOG_RMS_CHART = "gradient RMS per layer, log10 (a vanishing layer sits decades below; zero at -30)"
 
 
-#: Layers per chart of the by-layer category: few enough that TensorBoard's markers and
-#: tooltip tell them apart (its scalar charts colour series by run, not by tag).
-LAYERS_PER_CHART = 6
-
-
 def custom_scalars_layout(layers: list[str] | None = None) -> dict[str, Any]:
     """The magnitude chart first, then one chart per statistic with every layer in it, then the
-    global norm and the alert count; and, given the layers, the magnitude again in charts of
-    ``LAYERS_PER_CHART`` layers each (module order), where each layer can be told apart."""
+    global norm and the alert count. The same charts for every run whatever its depth (TensorBoard
+    merges the layouts of the runs in one folder: charts named after a run's layers would multiply
+    and stand empty for the others); telling layers apart is the gradwatch tab's job. ``layers`` is
+    accepted for callers that pass it."""
     charts = {LOG_RMS_CHART: ["Multiline", [rf"^{PREFIX}/{LOG_RMS}/.*"]]}
     charts.update({stat: ["Multiline", [rf"^{PREFIX}/{stat}/.*"]] for stat in PER_STEP_STATS + WINDOW_STATS})
     charts["global grad_norm"] = ["Multiline", [rf"^{PREFIX}/global/grad_norm$"]]
     charts["alerts"] = ["Multiline", [rf"^{PREFIX}/global/alerts$"]]
-    layout: dict[str, Any] = {"gradwatch": charts}
-    if layers:
-        by_layer = {}
-        for start in range(0, len(layers), LAYERS_PER_CHART):
-            group = layers[start : start + LAYERS_PER_CHART]
-            title = f"layers {group[0]} .. {group[-1]}" if len(group) > 1 else f"layer {group[0]}"
-            by_layer[title] = ["Multiline", [rf"^{PREFIX}/{LOG_RMS}/{re.escape(name)}$" for name in group]]
-        layout["gradwatch: log10 gradient RMS by layer"] = by_layer
-    return layout
+    return {"gradwatch": charts}
 
 
 class TensorBoardSink:
@@ -146,6 +153,8 @@ class TensorBoardSink:
         self._heatmap: GradientFlowHeatmap | None = None
         #: the health checks' thresholds, written with the layer list (None: not written)
         self.thresholds: dict[str, Any] | None = None
+        #: the layers' module types (name -> class name), written with the layer list
+        self.layer_types: dict[str, str] = {}
 
     def write(self, w: Window, alerts: list[Alert], total_alerts: int, final: bool = False) -> None:
         """Write one window's scalars at the steps they describe, then its alerts."""
@@ -154,7 +163,7 @@ class TensorBoardSink:
         if not self.layout_written:
             layers = self.layout_layers or w.layers
             self.writer.add_custom_scalars(custom_scalars_layout(layers))
-            self.writer.add_text(LAYERS_TAG, layers_markdown(layers, self.thresholds), first)
+            self.writer.add_text(LAYERS_TAG, layers_markdown(layers, self.thresholds, self.layer_types), first)
             self.layout_dir = self.log_dir or ""
         for step, values in window_scalars(w, total_alerts, dashboard=True):
             self._add_scalars(values, step)
