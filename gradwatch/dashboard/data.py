@@ -11,8 +11,9 @@ gradient shows only where every step of the column had one), and NaN/Inf stay vi
 
 from __future__ import annotations
 
+import base64
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,13 +40,34 @@ DEFAULT_MAX_STEPS = 1000
 
 @dataclass
 class RunTable:
-    """One statistic of one run: ``values[layer][column]`` (None: not recorded), at ``steps``."""
+    """One statistic of one run: ``grid[layer, column]`` (float64; NaN/Inf as recorded) where
+    ``recorded``, at ``steps``; ``values`` is the same as lists (None: not recorded)."""
 
     layers: list[str]
     steps: list[int]
-    values: list[list[float | str | None]]
+    grid: np.ndarray
+    recorded: np.ndarray  # bool, the grid's shape
     stride: int  # steps of the run per column (1: every recorded step)
-    alerts: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def values(self) -> list[list[float | str | None]]:
+        return [[_json_number(v) if r else None for v, r in zip(row, seen)]
+                for row, seen in zip(self.grid.tolist(), self.recorded.tolist())]  # fmt: skip
+
+    def encoded(self) -> dict[str, Any]:
+        """The grid for the page: little-endian float32 (what TensorBoard stores) and a byte per
+        cell, 1 where recorded, both base64: a 500 x 1280 table is 3.4 MB, not 10 MB of JSON."""
+        return {"shape": list(self.grid.shape),
+                "float32": base64.b64encode(self.grid.astype("<f4").tobytes()).decode(),
+                "recorded": base64.b64encode(self.recorded.astype(np.uint8).tobytes()).decode()}  # fmt: skip
+
+
+def decode(encoded: dict[str, Any]) -> list[list[float | str | None]]:
+    """:meth:`RunTable.encoded` back into lists (what the page decodes; for tests and scripts)."""
+    shape = tuple(encoded["shape"])
+    grid = np.frombuffer(base64.b64decode(encoded["float32"]), dtype="<f4").astype(np.float64).reshape(shape)
+    recorded = np.frombuffer(base64.b64decode(encoded["recorded"]), dtype=np.uint8).reshape(shape) > 0
+    return RunTable([], [], grid, recorded, 1).values
 
 
 def stat_and_layer(tag: str) -> tuple[str, str] | None:
@@ -90,33 +112,35 @@ def alerts_of(texts: list[str]) -> list[dict[str, Any]]:
 def table(series: dict[str, list[tuple[int, float]]], layers: list[str], max_steps: int,
           first: int | None = None, last: int | None = None) -> RunTable:  # fmt: skip
     """Layers x steps for one statistic from each layer's ``(step, value)`` points, over the steps
-    from ``first`` to ``last`` (default: all), at most ``max_steps`` columns."""
-    every = sorted({step for points in series.values() for step, _ in points
-                    if (first is None or step >= first) and (last is None or step <= last)})  # fmt: skip
-    stride = max(1, math.ceil(len(every) / max(1, max_steps)))
-    columns = every[::stride]
-    column_of = {step: k // stride for k, step in enumerate(every)}
-    grid = np.full((len(layers), len(columns)), np.nan)
-    seen = np.zeros(grid.shape, dtype=bool)
+    from ``first`` to ``last`` (default: all), at most ``max_steps`` columns, each the largest value
+    of the steps it covers (NaN wins over any number, +Inf over any finite one)."""
+    rows, steps, values = [], [], []
     for row, layer in enumerate(layers):
-        for step, value in series.get(layer, ()):
-            k = column_of.get(step)
-            if k is None:
-                continue
-            if not seen[row, k] or _larger(value, grid[row, k]):
-                grid[row, k] = value
-            seen[row, k] = True
-    values = [[_json_number(v) if s else None for v, s in zip(grid_row, seen_row)]
-              for grid_row, seen_row in zip(grid, seen)]  # fmt: skip
-    return RunTable(list(layers), [int(s) for s in columns], values, stride)
-
-
-def _larger(value: float, kept: float) -> bool:
-    """Whether ``value`` replaces ``kept`` in a column: a non-finite value always wins, then the
-    larger (every statistic is a magnitude or its log10: the largest is the one that alarms)."""
-    if not math.isfinite(value):
-        return math.isfinite(kept) or math.isnan(value)
-    return math.isfinite(kept) and value > kept
+        points = series.get(layer, ())
+        rows.extend([row] * len(points))
+        steps.extend(step for step, _ in points)
+        values.extend(value for _, value in points)
+    at_row = np.array(rows, dtype=np.int64)
+    at_step = np.array(steps, dtype=np.int64)
+    value = np.array(values, dtype=np.float64)
+    keep = np.ones(len(at_step), dtype=bool)
+    if first is not None:
+        keep &= at_step >= first
+    if last is not None:
+        keep &= at_step <= last
+    at_row, at_step, value = at_row[keep], at_step[keep], value[keep]
+    every = np.unique(at_step)
+    stride = max(1, math.ceil(len(every) / max(1, max_steps)))
+    column = np.searchsorted(every, at_step) // stride
+    shape = (len(layers), len(every[::stride]))
+    grid = np.full(shape, -np.inf)
+    np.maximum.at(grid, (at_row, column), np.where(np.isnan(value), -np.inf, value))
+    nan = np.zeros(shape, dtype=bool)
+    np.logical_or.at(nan, (at_row, column), np.isnan(value))
+    recorded = np.zeros(shape, dtype=bool)
+    recorded[at_row, column] = True
+    grid[nan | ~recorded] = np.nan
+    return RunTable(list(layers), [int(s) for s in every[::stride]], grid, recorded, stride)
 
 
 def _json_number(value: float) -> float | str:

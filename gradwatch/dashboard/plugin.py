@@ -6,7 +6,8 @@ Routes, under ``/data/plugin/gradwatch/``:
 - ``index.js``: the tab (an ES module TensorBoard loads into an iframe; ``static/index.js``).
 - ``runs``: ``[{run, layers, stats, alerts, first_step, last_step}]`` for each run with gradwatch data.
 - ``table?run=R&stat=S[&max_steps=N][&first=A&last=B]``: one statistic of one run, layers x steps
-  (``data.table``), with the layers' module types and the run's alerts.
+  (``data.table``; the values as base64 float32 with a recorded mask, ``RunTable.encoded``), with
+  the layers' module types and the run's alerts.
 
 Everything is read through TensorBoard's data provider (what its own tabs read, with its default
 sampling of 1000 points per scalar tag); downsampling to the screen happens here, not in the page.
@@ -104,7 +105,7 @@ class GradWatchPlugin(base_plugin.TBPlugin):
         result = data.table(series, layers, max_steps, first, last)
         return _json({"run": run, "stat": stat, "meta": data.STATISTICS.get(stat, {"label": stat, "log": False}),
                       "layers": result.layers, "types": [types.get(name, "") for name in result.layers],
-                      "steps": result.steps, "stride": result.stride, "values": result.values,
+                      "steps": result.steps, "stride": result.stride, "values": result.encoded(),
                       "alerts": self._alerts(ctx, experiment, run), "stats": index["stats"]})  # fmt: skip
 
     # ---------------------------------------------------------------- reading

@@ -38,6 +38,7 @@ def test_a_table_keeps_each_columns_largest_value_and_tells_missing_from_non_fin
     assert t.values[1] == [1.0, "NaN", 1.0, 1.0]
     assert t.values[2] == [None, None, 5.0, None]
     assert t.values[3] == [None, None, None, None]  # a layer without data: every cell missing
+    assert data.decode(t.encoded()) == t.values  # what the route sends, read back
     whole = data.table(series, ["a"], max_steps=100, first=2, last=5)
     assert whole.stride == 1 and whole.steps == [2, 3, 4, 5] and whole.values[0] == [2.0, 3.0, 4.0, 5.0]
 
@@ -90,9 +91,10 @@ def test_runs_and_tables_say_what_the_event_files_and_the_report_say(served):
         assert set(table["types"]) == {"Linear"}
         scalars = read_scalars(os.path.join(root, run))
         assert table["stride"] == 1 and table["steps"] == list(range(STEPS))
+        values = data.decode(table["values"])
         for i, layer in enumerate(table["layers"]):
             expected = scalars[f"gradwatch/grad_norm/{layer}"]
-            got = {s: v for s, v in zip(table["steps"], table["values"][i]) if v is not None}
+            got = {s: v for s, v in zip(table["steps"], values[i]) if v is not None}
             assert sorted(got) == sorted(expected)
             for step, value in got.items():
                 if isinstance(value, str):
@@ -107,12 +109,13 @@ def test_a_downsampled_table_keeps_the_largest_value_of_each_column(served):
     scalars = read_scalars(os.path.join(root, "dead"))
     stride = math.ceil(STEPS / 7)
     assert table["stride"] == stride and table["steps"] == list(range(0, STEPS, stride))
+    values = data.decode(table["values"])
     for i, layer in enumerate(table["layers"]):
         series = scalars[f"gradwatch/log10_grad_rms/{layer}"]
         for k, first in enumerate(table["steps"]):
             covered = [series[s] for s in range(first, first + stride) if s in series]
-            assert table["values"][i][k] == pytest.approx(max(covered), rel=1e-6)
-    assert all(v == pytest.approx(-30.0) for v in table["values"][0])  # the demo's dead layer: zero gradient
+            assert values[i][k] == pytest.approx(max(covered), rel=1e-6)
+    assert all(v == pytest.approx(-30.0) for v in values[0])  # the demo's dead layer: zero gradient
 
 
 def test_bad_requests_get_a_clear_error(served):
@@ -147,6 +150,13 @@ def test_the_tab_in_chromium_moves_to_a_clicked_alert_and_compares_runs(served, 
         runs = browser.wait_for("(() => { const p = [...document.querySelectorAll('.panel')];"
                                 " return p.length === 2 && p.map(x => x.dataset.run); })()")  # fmt: skip
         assert runs == [names["dead"], names["nan"]]
+        # a layer filter (a regular expression on names and module types) keeps the matching rows
+        browser.evaluate("(() => { const f = document.getElementById('layer-filter'); f.value = '^(2|4)$';"
+                         " f.dispatchEvent(new Event('input')); })()")  # fmt: skip
+        kept = browser.wait_for("(() => { const p = [...document.querySelectorAll('.panel')].map("
+                                "x => [...x.querySelectorAll('.chip')].map(c => c.textContent));"
+                                " return p.length === 2 && p.every(c => c.length === 2) && p; })()")  # fmt: skip
+        assert kept == [["2 (Linear)", "4 (Linear)"]] * 2
         browser.screenshot(str(tmp_path / "tab.png"))
         assert os.path.getsize(tmp_path / "tab.png") > 10_000
     finally:
