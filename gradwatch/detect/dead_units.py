@@ -17,6 +17,12 @@ CONFIRM_WINDOWS = 2
 #: A window whose last this-many steps (or more) all recorded every statistic confirms its own
 #: evidence: the sampled steps found the layer dead and the rest of the window was recorded in full.
 CONFIRM_TAIL = 3
+#: A layer whose confirmation found it alive is not confirmed again for 1, 2, 4, ... windows, at
+#: most this many: a layer whose units are quiet on the sampled steps but fire in between would
+#: otherwise have every window recorded in full (the default at full detail's cost).
+MAX_COOLDOWN = 8
+#: Evidence this far past dead_fraction asks for a confirmation even while the model backs off.
+STRONG = 0.2
 
 
 class DeadUnitsRule:
@@ -29,7 +35,10 @@ class DeadUnitsRule:
     remaining step of the same window (``worth_confirming``: the pipeline records the rest of the
     window in full, and a window whose last ``CONFIRM_TAIL`` steps were all recorded confirms
     itself), or, where that could not be decided mid-window, on every step of the next window(s)
-    (``wants_every_step``); only that judgement raises the alert.
+    (``wants_every_step``); only that judgement raises the alert. A layer such a confirmation found
+    alive is not confirmed again for 1, 2, 4, ... up to ``MAX_COOLDOWN`` windows, one found dead for
+    ``MAX_COOLDOWN`` (its alert stands); meanwhile its sampled evidence is still judged, so a
+    recovery is seen, and a layer that really dies is confirmed once the wait is over.
 
     Args:
         config: the thresholds (``dead_fraction``, ``dead_min_units``, ``dead_min_samples``).
@@ -45,11 +54,21 @@ class DeadUnitsRule:
         #: layers whose sampled steps said dead: judged again on every step of the next window(s)
         self.confirming = np.zeros(n, dtype=bool)
         self.confirm_windows = np.zeros(n, dtype=np.int64)  # windows spent confirming without a verdict
+        #: layers whose evidence in this window asked for the rest of it in full (worth_confirming, fell_silent)
+        self.suspected = np.zeros(n, dtype=bool)
+        self.cooldown = np.zeros(n, dtype=np.int64)  # windows before a layer may be confirmed again
+        self.found_alive = np.zeros(n, dtype=np.int64)  # confirmations in a row that found the layer alive
+        # The same for the model: many layers near the threshold (a deep ReLU stack) would take turns
+        # asking for full windows; after a confirming window that found no layer dead, no layer near
+        # the threshold is confirmed for 1, 2, 4, ... up to MAX_COOLDOWN windows (evidence STRONG past
+        # it, or every unit silent at once, still is).
+        self.quiet_for = 0  # windows before any layer may be confirmed again
+        self.quiet_confirmations = 0  # confirming windows in a row that found nothing
 
     @property
     def wants_every_step(self) -> bool:
         """Whether the next window should record every statistic at every step (dead units to confirm)."""
-        return bool(self.confirming.any())
+        return bool(self.confirming.any()) and self.quiet_for == 0
 
     def judge(self, w: Window, clear: set[tuple[str, str]]) -> list[Finding]:
         """The window's dead-unit findings; ``clear`` gets the clearly healthy layers."""
@@ -58,6 +77,9 @@ class DeadUnitsRule:
         if w.unit_alive is None or w.rows_seen is None:
             return findings
         every_step = w.sampled is None or confirms_itself(w.sampled)
+        suspected, self.suspected = self.suspected | self.confirming, np.zeros_like(self.suspected)
+        self.cooldown = np.maximum(self.cooldown - 1, 0)
+        self.quiet_for = max(0, self.quiet_for - 1)
         self.confirm_windows = np.where(self.confirming, self.confirm_windows + 1, 0)
         # a confirmation that found no evidence for CONFIRM_WINDOWS windows ends (nothing to confirm)
         self.confirming &= self.confirm_windows <= CONFIRM_WINDOWS
@@ -77,9 +99,15 @@ class DeadUnitsRule:
             # Every unit silent on every sampled row of enough samples is conclusive (a unit that fires
             # on a few rows in between reads dead only where some units fire on none of those rows).
             confirmed = every_step or self.confirming[i] or fraction >= 1.0
-            self.confirming[i] = fraction >= cfg.dead_fraction and not confirmed
-            if self.confirming[i]:
-                continue
+            if confirmed and suspected[i] and fraction < cfg.dead_fraction:  # a confirmation found it alive
+                self.cooldown[i] = min(MAX_COOLDOWN, 2 ** int(self.found_alive[i]))
+                self.found_alive[i] += 1
+            elif confirmed and fraction >= cfg.dead_fraction:  # found dead: the alert stands, no need to ask again
+                self.found_alive[i] = 0
+                self.cooldown[i] = MAX_COOLDOWN
+            self.confirming[i] = fraction >= cfg.dead_fraction and not confirmed and self.cooldown[i] == 0
+            if fraction >= cfg.dead_fraction and not confirmed:
+                continue  # to be confirmed (or, cooling down, judged again later): no alert on this evidence
             name, units = self.layers[i], int(w.unit_counts[i])
             if fraction >= cfg.dead_fraction:
                 findings.append(Finding(
@@ -89,6 +117,12 @@ class DeadUnitsRule:
                 ))  # fmt: skip
             elif fraction <= min(CLEAR * cfg.dead_fraction, cfg.dead_fraction - 1.5 / units):
                 clear.add(("dead_units", name))  # the band is at least one and a half units wide
+        if suspected.any() and every_step:  # a confirming window: back off when it found nothing
+            if findings:
+                self.quiet_confirmations = 0
+            else:
+                self.quiet_for = min(MAX_COOLDOWN, 2**self.quiet_confirmations)
+                self.quiet_confirmations += 1
         return findings
 
     def worth_confirming(self, fractions: np.ndarray, rows_seen: np.ndarray, unit_counts: np.ndarray) -> bool:
@@ -98,7 +132,11 @@ class DeadUnitsRule:
         cfg = self.config
         with np.errstate(invalid="ignore"):
             judged = (unit_counts >= cfg.dead_min_units) & (rows_seen >= cfg.dead_min_samples)
-            return bool(np.any(judged & (fractions >= cfg.dead_fraction) & (fractions < 1.0)))
+            worth = judged & (fractions >= cfg.dead_fraction) & (fractions < 1.0) & (self.cooldown == 0)
+            # while the model backs off, only evidence well past the threshold asks (a layer dying now)
+            worth &= (self.quiet_for == 0) | (fractions >= min(0.99, cfg.dead_fraction + STRONG))
+        self.suspected |= worth
+        return bool(worth.any())
 
     def fell_silent(self, silent: np.ndarray, unit_counts: np.ndarray, rms_peak: np.ndarray) -> bool:
         """Whether a layer judged for dead units (``unit_counts``), whose gradient was non-zero before
@@ -106,7 +144,9 @@ class DeadUnitsRule:
         a step where it ran (``silent``): every unit dead at once, worth recording the rest of the
         window in full on fresh evidence."""
         with np.errstate(invalid="ignore"):
-            return bool(np.any(silent & (unit_counts >= self.config.dead_min_units) & (rms_peak > 0)))
+            fell = silent & (unit_counts >= self.config.dead_min_units) & (rms_peak > 0) & (self.cooldown == 0)
+        self.suspected |= fell
+        return bool(fell.any())
 
     def pending_all_dead(self, i: int) -> bool:
         """Layer ``i``'s evidence, too little to judge yet, says every unit is dead so far."""

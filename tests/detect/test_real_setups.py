@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from gradwatch import GradientHealthError, GradMonitor, HealthConfig
+from gradwatch.detect.dead_units import MAX_COOLDOWN
 
 
 class _SqrtNet(nn.Module):
@@ -650,3 +651,36 @@ def test_a_nan_in_one_micro_batch_of_an_unsampled_step_is_named_at_its_layer(bad
     assert all(a == [] for step, a in alerts.items() if step != bad_step), alerts
     assert window.fwd_nonfinite.any(axis=1).tolist() == [step == bad_step for step in range(20)]
     assert window.fwd_nonfinite[bad_step].tolist() == [False, True, True]  # and downstream of it
+
+
+def test_a_layer_quiet_on_the_sampled_steps_only_does_not_make_every_window_full():
+    # Units silent on the default's sampled steps (slots 0 and 1) but firing in between: each
+    # confirmation finds the layer alive. Before, every window asked again and was recorded in
+    # full (a deep ReLU stack paid full detail's cost, 1.45x): now a layer found alive, and the
+    # model after a confirmation that found nothing, back off 1, 2, 4, ... windows. A layer that
+    # then really dies is still reported.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    monitor = GradMonitor(model, flush_every=10, config=HealthConfig(dead_min_samples=64, vanishing_abs_rms=0,
+                                                                     vanishing_rel_rms=0))  # fmt: skip
+    state = {"step": 0, "dead_everywhere": False}
+
+    def silence(grad):
+        quiet = state["dead_everywhere"] or state["step"] % 10 in (0, 1)
+        return grad * torch.cat([torch.zeros(40), torch.ones(24)]) if quiet else grad
+
+    def on_output(module, args, out):
+        out.register_hook(silence)
+
+    model[0].register_forward_hook(on_output, prepend=True)  # its tensor hook runs before gradwatch's
+    full_windows, dead_alerts = [], []
+    for step in range(220):
+        state["step"], state["dead_everywhere"] = step, step >= 120
+        model(torch.randn(64, 16)).square().mean().backward()
+        dead_alerts += [(a.step, a.layer) for a in monitor.step() if a.kind == "dead_units"]
+        model.zero_grad()
+        if step % 10 == 9 and step < 120:
+            full_windows.append(int(monitor.last_window.sampled.sum()) > 2)
+    monitor.close()
+    assert sum(full_windows) <= 5, full_windows  # 12 windows: before, all 12 (but the first) in full
+    assert [layer for _, layer in dead_alerts] == ["0"] and dead_alerts[0][0] < 120 + 10 * (MAX_COOLDOWN + 2)
