@@ -11,6 +11,9 @@
    alternatives, the floors), steps timed with synchronize; the compiled case (gradwatch
    compiled into the model against the same model compiled without it); the depth sweep;
    then the real models.
+3. Device ops: aten ops per step of the default against an unmonitored step (the MLP and the
+   Transformer), and a launch-bound step (MLP 8x64, batch 8): gradwatch's ratio beside the
+   default's read floor, and the host time of ``monitor.step()`` on unsampled steps.
 """
 
 from __future__ import annotations
@@ -51,6 +54,40 @@ def no_sync_check(workload, device: torch.device, steps: int = 30, detail: str =
     return f"ok: {steps} non-flush steps without a host sync"
 
 
+def launch_bound(device: torch.device, rounds: int = 200) -> None:
+    """A step bound by launching kernels (an MLP 8x64 at batch 8: microseconds of device work per
+    kernel): gradwatch's ratio beside the default's read floor, and the host time of ``step()`` on
+    steps that are not sampled, timed in context (no synchronize inside it)."""
+    import time
+
+    from gradwatch import GradMonitor
+
+    workload = W.mlp(depth=8, width=64, batch=8)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    contenders = [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(50), C.DefaultStepFloor]
+    print(format_table(f"{workload.name} (launch-bound)", measure(workload, contenders, rounds, 20, device, sync=sync)))
+    torch.manual_seed(0)
+    model = workload.make_model().to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    x, y = workload.make_batch(device)
+    monitor = GradMonitor(model, flush_every=50)
+    host: list[float] = []
+    for step in range(rounds):
+        workload.loss(model(x), y).backward()
+        sampled = monitor._recorder.plan.sampling
+        start = time.perf_counter()
+        monitor.step()
+        if not sampled and step % 50 != 49:  # neither a sampled step nor a flush
+            host.append(time.perf_counter() - start)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    monitor.close()
+    host.sort()
+    layers = len(monitor.layers)
+    print(f"monitor.step() host time on unsampled steps: median {host[len(host) // 2] * 1e6:.0f} us "
+          f"({host[len(host) // 2] * 1e6 / layers:.1f} us per layer, {layers} layers)", flush=True)
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
@@ -64,6 +101,12 @@ def main() -> None:
     for workload in (W.mlp(), W.transformer()):
         result = no_sync_check(workload, device, compiled=True)
         print(f"{workload.name} (standard, compiled): {result}", flush=True)
+    from benchmarks.overhead import op_table
+
+    for workload in (W.mlp(batch=64), W.transformer()):  # kernels launched per step: the default's budget is +5%
+        print(workload.name, end=": ")
+        op_table(workload, device)
+    launch_bound(device)
     contenders = C.standard()  # the CPU tables' contenders, read-once floor included
     for workload in W.standard():
         results = measure(workload, contenders, rounds=100, warmup=10, device=device, sync=torch.cuda.synchronize)
