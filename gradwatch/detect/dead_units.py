@@ -23,6 +23,9 @@ CONFIRM_TAIL = 3
 MAX_COOLDOWN = 8
 #: Evidence this far past dead_fraction asks for a confirmation even while the model backs off.
 STRONG = 0.2
+#: More layers than this just past dead_fraction on one window's sampled steps is read as the
+#: network's normal sparsity on few samples: none of them is confirmed in that window.
+MAX_BORDERLINE = 2
 
 
 class DeadUnitsRule:
@@ -133,8 +136,13 @@ class DeadUnitsRule:
         with np.errstate(invalid="ignore"):
             judged = (unit_counts >= cfg.dead_min_units) & (rows_seen >= cfg.dead_min_samples)
             worth = judged & (fractions >= cfg.dead_fraction) & (fractions < 1.0) & (self.cooldown == 0)
-            # while the model backs off, only evidence well past the threshold asks (a layer dying now)
-            worth &= (self.quiet_for == 0) | (fractions >= min(0.99, cfg.dead_fraction + STRONG))
+            strong = fractions >= min(0.99, cfg.dead_fraction + STRONG)
+            # while the model backs off, only evidence well past the threshold asks (a layer dying now);
+            # many layers just past it at once is the network's sparsity on few samples (a deep ReLU
+            # stack), not a fault: their evidence accumulates over the next windows' sampled steps
+            borderline = worth & ~strong
+            if self.quiet_for > 0 or int(borderline.sum()) > MAX_BORDERLINE:
+                worth &= strong
         self.suspected |= worth
         return bool(worth.any())
 
