@@ -5,7 +5,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +12,8 @@ import numpy as np
 
 from .config import HealthConfig
 from .sinks.tensorboard import (
-    ALERTS_TAG, LAYERS_TAG, PREFIX, parse_alerts_markdown, parse_layers_markdown, parse_thresholds_markdown,
+    ALERTS_TAG, LAYERS_TAG, PREFIX, is_text_tag, natural_order, parse_alerts_markdown, parse_layers_markdown,
+    parse_thresholds_markdown,
 )
 
 
@@ -67,10 +67,10 @@ def read_runs(logdir: str) -> list[RunReport]:
                 if tag.startswith(PREFIX + "/"):
                     scalars.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
             for tag in tags.get("tensors", []):
-                if _is_text_tag(tag, ALERTS_TAG):
+                if is_text_tag(tag, ALERTS_TAG):
                     for event in acc.Tensors(tag):
                         texts.extend(v.decode("utf-8", "replace") for v in event.tensor_proto.string_val)
-                elif _is_text_tag(tag, LAYERS_TAG) and not layer_order:
+                elif is_text_tag(tag, LAYERS_TAG) and not layer_order:
                     for event in acc.Tensors(tag)[:1]:
                         text = b"".join(event.tensor_proto.string_val).decode("utf-8", "replace")
                         layer_order = parse_layers_markdown(text)
@@ -89,11 +89,6 @@ def _run_name(folder: str, logdir: str) -> str:
     name for event files directly in LOGDIR (TensorBoard says ".")."""
     relative = os.path.relpath(folder, logdir)
     return os.path.basename(os.path.abspath(logdir)) if relative == "." else relative
-
-
-def _is_text_tag(tag: str, base: str) -> bool:
-    # SummaryWriter.add_text stores "<tag>/text_summary"
-    return tag == base or tag.startswith(base + "/")
 
 
 def _summarise(
@@ -163,7 +158,7 @@ def _unalerted_values(report: RunReport, thresholds: dict[str, Any] | None) -> l
 def _layer_order(scalars: dict[str, dict[int, float]]) -> list[str]:
     # Logs without the gradwatch/layers text: fall back to a numeric-aware name order.
     names = [t[len(PREFIX) + len("/grad_norm/"):] for t in scalars if t.startswith(f"{PREFIX}/grad_norm/")]
-    return sorted(names, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
+    return sorted(names, key=natural_order)
 
 
 def to_json(reports: list[RunReport]) -> str:

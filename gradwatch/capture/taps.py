@@ -302,12 +302,11 @@ class OutputTap:
         the calls after it and inside compiled code (a sum, then an add, which the compiler fuses)."""
         if torch.compiler.is_compiling():
             self.forward_sum.add_(out.sum(dtype=torch.float32))
-        elif self.checked_at != plan.step and out.dtype != torch.float64:
+        elif self.checked_at != plan.step:
             self.checked_at = plan.step
             torch.sum(out, dim=None, dtype=torch.float32, out=self.step_sum)
         else:
-            self.checked_at = plan.step
-            self.step_sum.add_(out.sum(dtype=torch.float32 if out.dtype != torch.float64 else torch.float64))
+            self.step_sum.add_(out.sum(dtype=torch.float32))
 
     # A copy of the model (copy.deepcopy: an EMA model, a reference twin; pickling for
     # torch.save(model)) copies its hook dicts: the copy's modules must not record into this

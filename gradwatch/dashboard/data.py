@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from ..sinks.scalars import LOG_RMS, PREFIX
-from ..sinks.tensorboard import (ALERTS_TAG, LAYERS_TAG, parse_alerts_markdown, parse_layer_types_markdown,
-                                parse_layers_markdown)  # fmt: skip
+from ..sinks.tensorboard import (ALERTS_TAG, LAYERS_TAG, is_text_tag, parse_alerts_markdown,
+                                parse_layer_types_markdown, parse_layers_markdown)  # fmt: skip
 
 #: The statistics the tab offers, in menu order, with how to draw them.
 STATISTICS: dict[str, dict[str, Any]] = {
@@ -154,7 +154,4 @@ def _json_number(value: float) -> float | str:
 
 def text_tags(tags: dict[str, Any]) -> tuple[list[str], list[str]]:
     """The run's ``gradwatch/layers`` and ``gradwatch/alerts`` text tags (add_text appends "/text_summary")."""
-    def of(base: str) -> list[str]:
-        return [t for t in tags if t == base or t.startswith(base + "/")]
-
-    return of(LAYERS_TAG), of(ALERTS_TAG)
+    return [t for t in tags if is_text_tag(t, LAYERS_TAG)], [t for t in tags if is_text_tag(t, ALERTS_TAG)]

@@ -25,6 +25,7 @@ from tensorboard import plugin_util
 from tensorboard.data import provider
 from tensorboard.plugins import base_plugin
 
+from ..sinks.tensorboard import natural_order
 from . import data
 
 _STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
@@ -73,16 +74,17 @@ class GradWatchPlugin(base_plugin.TBPlugin):
             if not index["stats"]:
                 continue
             steps = [t.max_step for tag, t in tags.items() if data.stat_and_layer(tag)]
-            layers, _ = self._layers(ctx, experiment, run, index)
+            layer_tags, alert_tags = self._text_tags(ctx, experiment, run)
+            layers, _ = self._layers(ctx, experiment, run, index, layer_tags)
             runs.append({"run": run, "layers": len(layers), "stats": index["stats"],
-                         "alerts": len(self._alerts(ctx, experiment, run)),
+                         "alerts": len(self._alerts(ctx, experiment, run, alert_tags)),
                          "last_step": max(steps) if steps else None})  # fmt: skip
         return _json(runs)
 
     @wrappers.Request.application
     def _serve_table(self, request: wrappers.Request) -> wrappers.Response:
         ctx, experiment = plugin_util.context(request.environ), plugin_util.experiment_id(request.environ)
-        run, stat = request.args.get("run"), request.args.get("stat", data.STATISTICS and next(iter(data.STATISTICS)))
+        run, stat = request.args.get("run"), request.args.get("stat", next(iter(data.STATISTICS)))
         try:
             max_steps = int(request.args.get("max_steps", data.DEFAULT_MAX_STEPS))
             first = _optional_int(request.args.get("first"))
@@ -95,7 +97,8 @@ class GradWatchPlugin(base_plugin.TBPlugin):
         if not tags:
             return _json({"error": f"no gradwatch data in run {run!r}"}, status=404)
         index = data.run_index(tags)
-        layers, types = self._layers(ctx, experiment, run, index)
+        layer_tags, alert_tags = self._text_tags(ctx, experiment, run)
+        layers, types = self._layers(ctx, experiment, run, index, layer_tags)
         wanted = [f"{data.PREFIX}/{stat}/{layer}" for layer in index["layers"].get(stat, [])]
         read = self._provider.read_scalars(
             ctx, experiment_id=experiment, plugin_name=_SCALAR_PLUGIN,
@@ -106,7 +109,7 @@ class GradWatchPlugin(base_plugin.TBPlugin):
         return _json({"run": run, "stat": stat, "meta": data.STATISTICS.get(stat, {"label": stat, "log": False}),
                       "layers": result.layers, "types": [types.get(name, "") for name in result.layers],
                       "steps": result.steps, "stride": result.stride, "values": result.encoded(),
-                      "alerts": self._alerts(ctx, experiment, run), "stats": index["stats"]})  # fmt: skip
+                      "alerts": self._alerts(ctx, experiment, run, alert_tags), "stats": index["stats"]})  # fmt: skip
 
     # ---------------------------------------------------------------- reading
     def _texts(self, ctx: Any, experiment: str, run: str, tags: list[str]) -> list[str]:
@@ -127,28 +130,23 @@ class GradWatchPlugin(base_plugin.TBPlugin):
                                              run_tag_filter=provider.RunTagFilter(runs=[run]))  # fmt: skip
         return data.text_tags(listed.get(run, {}))
 
-    def _layers(self, ctx: Any, experiment: str, run: str, index: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    def _layers(self, ctx: Any, experiment: str, run: str, index: dict[str, Any],
+                layer_tags: list[str]) -> tuple[list[str], dict[str, str]]:  # fmt: skip
         """The run's layers in module order (the layer list gradwatch wrote, then any other layer
         with data) and their module types."""
-        layer_tags, _ = self._text_tags(ctx, experiment, run)
         texts = self._texts(ctx, experiment, run, layer_tags[:1])
         order, types = data.layer_info(texts[0]) if texts else ([], {})
         known = set(order)
-        extra = sorted({layer for layers in index["layers"].values() for layer in layers} - known, key=_natural)
+        extra = sorted({layer for layers in index["layers"].values() for layer in layers} - known, key=natural_order)
         return order + extra, types
 
-    def _alerts(self, ctx: Any, experiment: str, run: str) -> list[dict[str, Any]]:
-        _, alert_tags = self._text_tags(ctx, experiment, run)
+    def _alerts(self, ctx: Any, experiment: str, run: str, alert_tags: list[str]) -> list[dict[str, Any]]:
         return data.alerts_of(self._texts(ctx, experiment, run, alert_tags))
 
 
 def _strings(array: Any) -> list[str]:
     values = array.reshape(-1).tolist() if hasattr(array, "reshape") else [array]
     return [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in values]
-
-
-def _natural(name: str) -> list[Any]:
-    return [int(part) if part.isdigit() else part for part in name.replace(".", " . ").split()]
 
 
 def _optional_int(value: str | None) -> int | None:

@@ -103,7 +103,7 @@ class DeadUnitsRule:
             # on a few rows in between reads dead only where some units fire on none of those rows).
             confirmed = every_step or self.confirming[i] or fraction >= 1.0
             if confirmed and suspected[i] and fraction < cfg.dead_fraction:  # a confirmation found it alive
-                self.cooldown[i] = min(MAX_COOLDOWN, 2 ** int(self.found_alive[i]))
+                self.cooldown[i] = backoff(int(self.found_alive[i]))
                 self.found_alive[i] += 1
             elif confirmed and fraction >= cfg.dead_fraction:  # found dead: the alert stands, no need to ask again
                 self.found_alive[i] = 0
@@ -124,7 +124,7 @@ class DeadUnitsRule:
             if findings:
                 self.quiet_confirmations = 0
             else:
-                self.quiet_for = min(MAX_COOLDOWN, 2**self.quiet_confirmations)
+                self.quiet_for = backoff(self.quiet_confirmations)
                 self.quiet_confirmations += 1
         return findings
 
@@ -139,7 +139,7 @@ class DeadUnitsRule:
             strong = fractions >= min(0.99, cfg.dead_fraction + STRONG)
             # while the model backs off, only evidence well past the threshold asks (a layer dying now);
             # many layers just past it at once is the network's sparsity on few samples (a deep ReLU
-            # stack), not a fault: their evidence accumulates over the next windows' sampled steps
+            # stack), not a fault: the window's flush judges them and the next window confirms them
             borderline = worth & ~strong
             if self.quiet_for > 0 or int(borderline.sum()) > MAX_BORDERLINE:
                 worth &= strong
@@ -167,6 +167,12 @@ class DeadUnitsRule:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         confirming = set(state.get("confirming", []))
         self.confirming = np.array([n in confirming for n in self.layers], dtype=bool)
+
+
+def backoff(found_nothing: int) -> int:
+    """Windows to wait after ``found_nothing`` confirmations in a row found nothing: 1, 2, 4, ... up
+    to ``MAX_COOLDOWN``."""
+    return min(MAX_COOLDOWN, 2**found_nothing)
 
 
 def confirms_itself(sampled: np.ndarray) -> bool:

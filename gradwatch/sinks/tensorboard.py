@@ -103,6 +103,17 @@ def parse_layers_markdown(text: str) -> list[str]:
     return [name for name in text.split("\n\n") if name]
 
 
+def is_text_tag(tag: str, base: str) -> bool:
+    """Whether ``tag`` is the text written under ``base`` (``SummaryWriter.add_text`` stores
+    ``<base>/text_summary``)."""
+    return tag == base or tag.startswith(base + "/")
+
+
+def natural_order(name: str) -> list[Any]:
+    """A sort key that orders layer names as people number them (``2`` before ``10``)."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
 def parse_alerts_markdown(text: str) -> list[dict[str, Any]]:
     """The alerts written by :func:`alerts_markdown` (none for any other text)."""
     return [alert for alerts in _json_comments("alerts", text) for alert in alerts]

@@ -264,7 +264,7 @@ function fewLines(t) { // more lines than anyone can tell apart: the alerted lay
   const keep = new Set(t.layers.flatMap((name, i) => (alerted.has(name) || name === state.focus ? [i] : [])));
   const every = t.layers.length / Math.max(1, MAX_LINES - keep.size);
   for (let x = 0; keep.size < MAX_LINES && x < t.layers.length; x += every) keep.add(Math.floor(x));
-  const rows = [...keep].sort((a, b) => a - b).slice(0, Math.max(MAX_LINES, keep.size));
+  const rows = [...keep].sort((a, b) => a - b);
   return { ...t, layers: rows.map((i) => t.layers[i]), types: t.types && rows.map((i) => t.types[i]), values: rows.map((i) => t.values[i]) };
 }
 
