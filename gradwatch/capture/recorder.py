@@ -20,10 +20,11 @@ from ..flush.decode import build_window
 from .devices import host_to_device, index_tensor
 from .layers import LayerSpec
 from ..registry import accumulator_count
-from .layout import (
+from ..registry.states import (
     OUT_STATS, FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, SAMPLE_UPDATE_SQ,
-    SAMPLE_WEIGHT_SQ, STEP_FAILED, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout,
+    SAMPLE_WEIGHT_SQ, STEP_FAILED, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ,
 )  # fmt: skip
+from .layout import Layout
 from .param_stats import ParamStats, StepRows
 from ..failures import raise_if_strict
 from ..flush.window import Window

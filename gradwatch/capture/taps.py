@@ -92,7 +92,7 @@ class DeviceCells:
     first_calls: torch.Tensor  # [n] first-call clock value of the step, in the stat dtype
     backward: torch.Tensor  # [sum of squares (n) | calls (n) | samples (n) | per-unit evidence (units)]
     clock: torch.Tensor  # [1], counts down at each sampled forward call
-    #: [n x K] the declared output statistics' accumulators of the step (registry.py), sampled steps
+    #: [n x K] the declared output statistics' accumulators of the step (registry/outputs.py), sampled steps
     outputs: torch.Tensor
     weights: torch.Tensor  # [_PROJECTION_ROWS] positive projection weights in [1, 2)
 
@@ -286,7 +286,7 @@ class OutputTap:
             if sampling:
                 if not _compat.in_backward():  # a recomputation inside backward is not forward order
                     self._advance_clock()
-                if self.output_stats is not None:  # the declared output statistics (registry.py)
+                if self.output_stats is not None:  # the declared output statistics (registry/outputs.py)
                     local = local_tensor(out)
                     self.output_stats.add_(registry.accumulate_all(local, self.output_stats.dtype))
                     self.output_elements.add_(local.numel())

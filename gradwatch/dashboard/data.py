@@ -18,21 +18,18 @@ from typing import Any
 
 import numpy as np
 
+from ..registry.statistics import all_statistics as _declared
 from ..sinks.scalars import LOG_RMS, PREFIX
 from ..sinks.tensorboard import (ALERTS_TAG, LAYERS_TAG, is_text_tag, parse_alerts_markdown,
                                 parse_layer_types_markdown, parse_layers_markdown)  # fmt: skip
 
-#: The statistics the tab offers, in menu order, with how to draw them.
+# The tab's menu: the gradient's magnitudes first, the counts last.
+_MENU_ORDER = sorted((s for s in _declared() if s.written), key=lambda s: s.name == "nonfinite")
+
+#: The statistics the tab offers, in menu order, with how to draw them (registry/statistics.py).
 STATISTICS: dict[str, dict[str, Any]] = {
     LOG_RMS: {"label": "gradient RMS (log10)", "log": False, "heatmap": True},
-    "grad_norm": {"label": "grad_norm", "log": True},
-    "out_grad_norm": {"label": "out_grad_norm (output gradient)", "log": True},
-    "grad_max": {"label": "grad_max (max |g|)", "log": True},
-    "dead_fraction": {"label": "dead fraction", "log": False},
-    "update_ratio": {"label": "update ratio", "log": True},
-    "act_rms": {"label": "activation RMS", "log": True},
-    "act_zero_fraction": {"label": "activation zero fraction", "log": False},
-    "nonfinite": {"label": "non-finite elements", "log": False},
+    **{s.name: {"label": s.label or s.name, "log": s.log_scale} for s in _MENU_ORDER},
 }
 #: Steps a table is downsampled to by default: more columns than a 1280-px screen has pixels for.
 DEFAULT_MAX_STEPS = 1000

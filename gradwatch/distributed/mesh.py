@@ -35,13 +35,9 @@ import torch
 from ..capture.buffer import StatBuffer
 from ..capture.devices import host_to_device, index_tensor
 from ..capture.layers import LayerSpec
-from ..capture.layout import (
-    OUT_STATS, FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, SAMPLE_UPDATE_SQ,
-    SAMPLE_WEIGHT_SQ, STEP_FAILED, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ, Layout, declare_states,
-    starts,
-)  # fmt: skip
+from ..capture.layout import Layout, starts
 from ..capture.param_stats import ParamStats
-from ..registry import accumulator_count
+from ..registry.states import Sizes, StateDecl, declare_states, declared
 from .tensor_parallel import OutputShare
 
 #: A stage's forward clock values are lifted by (stages after it) x this: more than a clock runs in a step.
@@ -155,10 +151,9 @@ class MeshLayout:
         # Every state a sum (or a maximum) over the ranks, weighted by gather(); the host's counts
         # arrive on the device with the rest of the rank's buffer.
         self.buffer = StatBuffer(device)
-        declare_states(
-            self.buffer, local.flush_every, len(self.param_layer), n, int(self.unit_count.sum()), len(sample_order),
-            self.track_updates, params=("sum", "max"), samples="sum", host_counts=False,
-        )  # fmt: skip
+        self._sizes = Sizes(local.flush_every, len(self.param_layer), n, int(self.unit_count.sum()), len(sample_order),
+                            self.track_updates)  # fmt: skip
+        declare_states(self.buffer, self._sizes, union=True, sharded=False)
 
     def _columns(self, ranks: list[RankDescription], index: dict[str, int],
                  shapes: list[tuple]) -> tuple[dict[tuple[str, int], int], np.ndarray, list[int]]:  # fmt: skip
@@ -216,7 +211,7 @@ class MeshLayout:
 
         dtype, device = local.buffer.dtype, local.device
         self._local = local
-        self._columns = index_tensor(mine_cols, device)
+        self._column_index = index_tensor(mine_cols, device)
         self._column_factor = host_to_device(factor, device, dtype)
         self._layers = index_tensor(mine_layers, device)
         self._out_weights = host_to_device(np.stack([out_w, count_w, count_w]), device, dtype)  # [3, l]
@@ -240,31 +235,31 @@ class MeshLayout:
     def gather(self, combined: bool = True) -> None:
         """Copy this rank's buffer (host states loaded) into the union's; reduce ``self.buffer`` next.
 
+        Every state is placed and weighted as ``registry/states.py`` declares it.
         ``combined=False``: no reduction follows (cross-process reduction turned off): this rank's
         own values, unweighted, in the union's places, the other ranks' layers empty.
         """
         local, union = self._local.buffer, self.buffer
         union.zero_()
-        columns = self._columns
+        index = {"param": self._column_index, "layer": self._layers, "unit": self._units, "sample": self._samples}
+        for state in declared(self._sizes):
+            if state.needs == "updates" and not self._local.track_updates:
+                continue  # no optimizer on this rank: its layout has no update states
+            values = self._weighted(state, local[state.name], combined)
+            if state.union_index is None:
+                union[state.name].copy_(values)
+            else:
+                union[state.name].index_copy_(state.dims.index(state.union_index), index[state.union_index], values)
 
-        def weighted(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-            return values * weights if combined else values
-
-        for name in (PARAM_SQ, PARAM_NONFINITE):
-            union[name].index_copy_(1, columns, weighted(local[name], self._column_factor))
-        union[PARAM_MAX].index_copy_(1, columns, local[PARAM_MAX])
-        union[PARAM_PRESENT].index_copy_(1, columns, local[PARAM_PRESENT])
-        union[OUT_GRAD].index_copy_(2, self._layers, weighted(local[OUT_GRAD], self._out_weights))
-        union[FWD_SUM].index_copy_(1, self._layers, weighted(local[FWD_SUM], self._count_weights))
-        if accumulator_count():  # the declared output statistics: weighed as the registry says ("count")
-            union[OUT_STATS].index_copy_(1, self._layers, weighted(local[OUT_STATS], self._count_weights[:, None]))
-        order = local[FWD_ORDER]
-        union[FWD_ORDER].index_copy_(1, self._layers, torch.where(order > 0, order + self._stage_lift, order))
-        union[STEP_FAILED].copy_(local[STEP_FAILED])
-        union[UNIT_ACC].index_copy_(0, self._units, weighted(local[UNIT_ACC], self._unit_weights))
-        if self._local.track_updates:
-            for name in (UPDATE_SQ, WEIGHT_SQ):
-                union[name].index_copy_(1, columns, weighted(local[name], self._column_factor))
-            union[UPDATE_SEEN].index_copy_(1, columns, local[UPDATE_SEEN])
-            for name in (SAMPLE_UPDATE_SQ, SAMPLE_WEIGHT_SQ):
-                union[name].index_copy_(1, self._samples, weighted(local[name], self._sample_factor))
+    def _weighted(self, state: StateDecl, values: torch.Tensor, combined: bool) -> torch.Tensor:
+        """A rank's values of ``state`` as the union weighs them (``StateDecl.union_weight``)."""
+        how = state.union_weight
+        if how == "stage":  # the forward clock runs across stages, with or without a reduction
+            return torch.where(values > 0, values + self._stage_lift, values)
+        if how is None or not combined:
+            return values
+        weights = {"column": self._column_factor, "output": self._out_weights, "count": self._count_weights,
+                   "unit": self._unit_weights, "sample": self._sample_factor}[how]  # fmt: skip
+        # weights cover the indexed dimension (and, for "output", the one before it): align them
+        trailing = len(state.dims) - state.dims.index(state.union_index) - 1
+        return values * weights.view(*weights.shape, *([1] * trailing))

@@ -25,7 +25,8 @@ from itertools import compress
 import numpy as np
 import torch
 
-from ..capture.layout import FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, STEP_FAILED, Layout
+from ..capture.layout import Layout
+from ..registry.states import FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, STEP_FAILED
 
 #: Staging slots allocated at attach for steps whose values are still being copied. A step that
 #: finds them all in flight adds one (at most one per step of a window, as ``ready()`` runs at

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..capture.layout import STEP_FAILED
+from ..registry.states import STEP_FAILED
 from ..distributed.collectives import Collectives
 from ..failures import FailureLog
 from .window import Window

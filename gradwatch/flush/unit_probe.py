@@ -19,8 +19,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..capture.layout import OUT_GRAD, STEP_FAILED, UNIT_ACC, Layout
-from .decode import dead_unit_fractions, rows_seen_of
+from ..capture.layout import Layout
+from ..registry.states import OUT_GRAD, STEP_FAILED, UNIT_ACC
+from ..registry.statistics import dead_unit_fractions, rows_seen_of
 
 
 class UnitProbe:

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
-
 @dataclass
 class Window:
     """The statistics of up to ``flush_every`` steps, on the host, as numpy arrays.
@@ -58,8 +57,20 @@ class Window:
     estimated_update_ratio: np.ndarray | None = None
     #: [step, layer] RMS of those samples before the step
     estimated_weight_rms: np.ndarray | None = None
-    #: name -> [step, layer] each declared output statistic (registry.py); NaN where not recorded
-    output_stats: dict[str, np.ndarray] = field(default_factory=dict)
+    #: name -> table of each declared statistic without a field of its own (registry/statistics.py):
+    #: the output statistics ([step, layer], NaN where not recorded), and any added since
+    extra_stats: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def table(self, name: str) -> np.ndarray | None:
+        """The table of a declared statistic (``registry/statistics.py``) by name (None: none this window)."""
+        return self.extra_stats[name] if name in self.extra_stats else getattr(self, name, None)
+
+    @property
+    def output_stats(self) -> dict[str, np.ndarray]:
+        """name -> [step, layer] each output statistic (registry/outputs.py); NaN where not recorded."""
+        from ..registry import outputs  # the table as it is now (a statistic may be added to it)
+
+        return {s.name: self.extra_stats[s.name] for s in outputs.OUTPUT_STATISTICS if s.name in self.extra_stats}
 
     @property
     def grad_rms(self) -> np.ndarray:

@@ -13,9 +13,10 @@ import math
 import numpy as np
 
 from ..flush.window import Window
+from ..registry.outputs import OUTPUT_STATISTICS
 from .heatmap import _DPI, _WIDTH_PX, _short
 
-_LOG_SCALE = {"act_rms"}  # statistics drawn on a log axis (magnitudes over decades)
+_LOG_SCALE = {s.name for s in OUTPUT_STATISTICS if s.log_scale}  # drawn on a log axis (magnitudes over decades)
 
 
 def window_means(w: Window) -> dict[str, np.ndarray]:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..flush.window import Window
+from ..registry.statistics import written
 
 PREFIX = "gradwatch"
-PER_STEP_STATS = ("grad_norm", "grad_max", "nonfinite", "out_grad_norm")
 #: The dashboard's magnitude view: log10 of the gradient RMS (grad_norm / sqrt(#elements)).
 LOG_RMS = "log10_grad_rms"
 #: A zero gradient is drawn at this log10 value, a line far below every real one (a dead or
@@ -33,14 +33,9 @@ def window_scalars(w: Window, total_alerts: int, dashboard: bool = False) -> lis
     vanishing layer sits decades below the others instead of flat on zero).
     """
     out: list[tuple[int, list[tuple[str, float]]]] = []
-    sampled = w.sampled[:, None] if w.sampled is not None else True
-    counted = w.nonfinite_counted[:, None] if w.nonfinite_counted is not None else True
-    per_step = {  # each statistic where it was recorded
-        "grad_norm": (w.grad_norm, w.has_grad),
-        "grad_max": (w.grad_max, w.has_grad & sampled),
-        "nonfinite": (w.nonfinite, w.has_grad & counted),
-        "out_grad_norm": (w.out_grad_norm, w.out_seen),
-        **{name: (table, np.isfinite(table)) for name, table in w.output_stats.items()},  # registry.py
+    per_step = {  # each statistic where it was recorded (registry/statistics.py)
+        s.name: (table, s.recorded(table, w))
+        for s in written("step") if (table := w.table(s.name)) is not None
     }
     if dashboard:
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -58,16 +53,18 @@ def window_scalars(w: Window, total_alerts: int, dashboard: bool = False) -> lis
             if w.nonfinite_counted is None or w.nonfinite_counted[t]:
                 values.append((tag("nonfinite", ""), float(np.nansum(w.nonfinite[t]))))
         if t == last:
-            for i in np.flatnonzero(np.isfinite(w.dead_fraction)):
-                values.append((tag("dead_fraction", w.layers[i]), float(w.dead_fraction[i])))
+            for statistic in written("window"):
+                table = w.table(statistic.name)
+                values.extend((tag(statistic.name, w.layers[i]), float(table[i])) for i in np.flatnonzero(np.isfinite(table)))
             values.append((tag("alerts", ""), float(total_alerts)))
             if w.skipped is not None:
                 values.append((tag("skipped_steps", ""), float(w.skipped.sum())))
         out.append((int(step), values))
-    if w.update_ratio is not None:
-        for t, step in enumerate(w.update_steps):
-            row = w.update_ratio[t]
-            values = [(tag("update_ratio", w.layers[i]), float(row[i])) for i in np.flatnonzero(np.isfinite(row))]
+    for statistic in written("update"):
+        table = w.table(statistic.name)
+        for t, step in enumerate(w.update_steps if table is not None else ()):
+            row = table[t]
+            values = [(tag(statistic.name, w.layers[i]), float(row[i])) for i in np.flatnonzero(np.isfinite(row))]
             if values:
                 out.append((int(step), values))
     out.sort(key=lambda item: item[0])  # an update measured after the previous window's last step

@@ -20,11 +20,11 @@ from ..alerts import Alert
 from ..flush.window import Window
 from .activations import render_activations
 from .heatmap import GradientFlowHeatmap
-from .scalars import LOG_RMS, PER_STEP_STATS, PREFIX, window_scalars
+from ..registry.statistics import all_statistics
+from .scalars import LOG_RMS, PREFIX, window_scalars
 
 log = logging.getLogger("gradwatch")
 
-WINDOW_STATS = ("dead_fraction", "update_ratio")
 ALERTS_TAG = f"{PREFIX}/alerts"
 LAYERS_TAG = f"{PREFIX}/layers"  # the monitored layers in module order (layers_markdown)
 HEATMAP_TAG = f"{PREFIX}/gradient_flow"  # the heatmap of windows within the drawing budget
@@ -131,10 +131,15 @@ def custom_scalars_layout(layers: list[str] | None = None) -> dict[str, Any]:
     and stand empty for the others); telling layers apart is the gradwatch tab's job. ``layers`` is
     accepted for callers that pass it."""
     charts = {LOG_RMS_CHART: ["Multiline", [rf"^{PREFIX}/{LOG_RMS}/.*"]]}
-    charts.update({stat: ["Multiline", [rf"^{PREFIX}/{stat}/.*"]] for stat in PER_STEP_STATS + WINDOW_STATS})
+    charts.update({stat: ["Multiline", [rf"^{PREFIX}/{stat}/.*"]] for stat in _written_statistics()})
     charts["global grad_norm"] = ["Multiline", [rf"^{PREFIX}/global/grad_norm$"]]
     charts["alerts"] = ["Multiline", [rf"^{PREFIX}/global/alerts$"]]
     return {"gradwatch": charts}
+
+
+def _written_statistics() -> list[str]:
+    """Every statistic written under a tag, in the registry's order (registry/statistics.py)."""
+    return [s.name for s in all_statistics() if s.written]
 
 
 class TensorBoardSink:

@@ -473,7 +473,7 @@ def test_a_model_level_explosion_is_returned_at_its_step_and_stop_on_stops_befor
 
 
 def test_activation_statistics_equal_a_direct_computation_over_every_call_of_the_step(tmp_path):
-    # act_rms and act_zero_fraction of each layer's output (registry.py), against the outputs this
+    # act_rms and act_zero_fraction of each layer's output (registry/outputs.py), against the outputs this
     # test keeps itself: a layer called twice per step (its calls pooled), a layer with units that
     # are exactly zero (weights and bias zeroed), two micro-batches per step; written to TensorBoard
     # under gradwatch/act_rms/<layer> and gradwatch/act_zero_fraction/<layer> at the sampled steps.

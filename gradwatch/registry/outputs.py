@@ -1,4 +1,4 @@
-"""Declared output statistics: one entry is the whole definition of a per-layer statistic of a
+"""The output statistics: one entry is the whole definition of a per-layer statistic of a
 layer's output, recorded on the sampled steps (every step with ``detail="full"``).
 
 An entry says what the tap accumulates (traceable tensor ops on the output, into declared
@@ -36,6 +36,8 @@ class OutputStatistic:
         union_weight: how ranks holding pieces of one layer's output weigh them: "count" (like the
             forward sums: split outputs add up, a repeated output counts once).
         description: what the value means, for the docs and ``help()``.
+        label: the gradwatch tab's menu label.
+        log_scale: drawn on a log axis (magnitudes over decades).
     """
 
     name: str
@@ -45,6 +47,8 @@ class OutputStatistic:
     reduce: Literal["sum"] = "sum"
     union_weight: Literal["count"] = "count"
     description: str = ""
+    label: str = ""
+    log_scale: bool = False
 
 
 def _sum_of_squares(out: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -71,10 +75,12 @@ OUTPUT_STATISTICS: tuple[OutputStatistic, ...] = (
     OutputStatistic(
         "act_rms", ("sum of squares",), _sum_of_squares, lambda a, n: _mean(a, n, root=True),
         description="root-mean-square of the layer's output over every element of the step's calls",
+        label="activation RMS", log_scale=True,
     ),
     OutputStatistic(
         "act_zero_fraction", ("non-zero elements",), _nonzeros, _zero_fraction,
         description="fraction of the layer's output elements that are exactly zero over the step's calls",
+        label="activation zero fraction",
     ),
 )
 
