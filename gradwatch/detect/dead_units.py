@@ -162,11 +162,28 @@ class DeadUnitsRule:
         return pending is not None and not pending.any()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"confirming": [name for name, c in zip(self.layers, self.confirming) if c]}
+        """The confirmations under way and the back-off schedules (per layer, by name; constant size).
+        Evidence not yet judged (a partial window's units) is not kept: a resumed run gathers it again."""
+
+        def nonzero(values: np.ndarray) -> dict[str, int]:
+            return {name: int(v) for name, v in zip(self.layers, values) if v}
+
+        return {"confirming": [name for name, c in zip(self.layers, self.confirming) if c],
+                "dead_confirm_windows": nonzero(self.confirm_windows), "dead_cooldown": nonzero(self.cooldown),
+                "dead_found_alive": nonzero(self.found_alive),
+                "dead_quiet": [int(self.quiet_for), int(self.quiet_confirmations)]}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         confirming = set(state.get("confirming", []))
         self.confirming = np.array([n in confirming for n in self.layers], dtype=bool)
+
+        def by_name(key: str) -> np.ndarray:
+            saved = state.get(key, {})  # absent from checkpoints of earlier versions: nothing pending
+            return np.array([int(saved.get(n, 0)) for n in self.layers], dtype=np.int64)
+
+        self.confirm_windows = by_name("dead_confirm_windows")
+        self.cooldown, self.found_alive = by_name("dead_cooldown"), by_name("dead_found_alive")
+        self.quiet_for, self.quiet_confirmations = (int(v) for v in state.get("dead_quiet", [0, 0]))
 
 
 def backoff(found_nothing: int) -> int:

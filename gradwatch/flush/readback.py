@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..capture.layout import Layout
+from ..registry.statistics import layer_ran
 from ..registry.states import FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, STEP_FAILED
 
 #: Staging slots allocated at attach for steps whose values are still being copied. A step that
@@ -232,11 +233,11 @@ def forward_order(first_calls: np.ndarray) -> list[int]:
 
 
 def silent_layers(values: StepValues, layout: Layout) -> np.ndarray:
-    """[L] layers that ran at this step (their forward sum is not zero) and whose every parameter
-    gradient was exactly zero: every unit silent on every sample, or a path cut."""
+    """[L] layers that ran at this step (``registry.statistics.layer_ran``: the decoder's rule) and
+    whose every parameter gradient was exactly zero: every unit silent on every sample, or a path cut."""
     n = len(layout.names)
     present = values.present > 0
     nonzero = np.bincount(layout.param_layer, weights=present & (values.sq != 0), minlength=n) > 0
     held = np.bincount(layout.param_layer, weights=present, minlength=n) > 0
-    ran = values.forward != 0
+    ran = layer_ran(values.forward, values.order if values.order is not None else 0.0)
     return held & ~nonzero & ran

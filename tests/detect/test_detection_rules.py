@@ -553,3 +553,35 @@ def test_a_confirmation_carried_in_a_checkpoint_records_the_resumed_window_in_fu
     assert resumed.last_window.sampled.all()  # the confirmation window, recorded in full
     assert [(a.kind, a.layer, a.step) for a in resumed.alerts] == [("dead_units", "0", 74)]
     resumed.close()
+
+
+def test_the_dead_unit_back_off_survives_a_checkpoint_matched_by_layer_name():
+    # A layer that confirmations found alive waits before it is confirmed again, and the model backs
+    # off after confirming windows that found nothing (dead_units.backoff); a resumed run keeps both
+    # (was: a resumed run asked for a full window again at once).
+    import json
+
+    import numpy as np
+
+    from gradwatch.detect.dead_units import DeadUnitsRule
+
+    config = HealthConfig()
+    rule = DeadUnitsRule(config, ["a", "b", "c"])
+    rule.cooldown[1], rule.found_alive[1] = 4, 2
+    rule.confirming[2], rule.confirm_windows[2] = True, 1
+    rule.quiet_for, rule.quiet_confirmations = 3, 2
+    state = json.loads(json.dumps(rule.state_dict()))  # plain JSON, as checkpoints hold it
+    resumed = DeadUnitsRule(config, ["c", "b", "a", "new"])  # another order, and a layer added since
+    resumed.load_state_dict(state)
+    assert resumed.cooldown.tolist() == [0, 4, 0, 0] and resumed.found_alive.tolist() == [0, 2, 0, 0]
+    assert resumed.confirming.tolist() == [True, False, False, False] and resumed.confirm_windows.tolist() == [1, 0, 0, 0]
+    assert (resumed.quiet_for, resumed.quiet_confirmations) == (3, 2)
+    # what it changes: layer b just past the threshold on enough samples asks for a confirmation
+    # in a fresh rule, not in the resumed one (cooling down)
+    fractions = np.array([0.0, config.dead_fraction + 0.01, 0.0, 0.0])
+    rows, units = np.full(4, config.dead_min_samples), np.full(4, max(config.dead_min_units, 16))
+    assert DeadUnitsRule(config, ["c", "b", "a", "new"]).worth_confirming(fractions, rows, units)
+    assert not resumed.worth_confirming(fractions, rows, units)
+    old = DeadUnitsRule(config, ["a"])
+    old.load_state_dict({"confirming": ["a"]})  # a checkpoint of an earlier version: nothing backing off
+    assert old.confirming.tolist() == [True] and old.cooldown.tolist() == [0] and old.quiet_for == 0

@@ -153,3 +153,23 @@ def test_with_no_free_slot_at_attach_a_nan_still_stops_at_its_own_step(monkeypat
         model.zero_grad()
     assert stopped_at == 3
     monitor.close()
+
+
+def test_a_layer_ran_by_the_decoders_rule_in_the_per_step_silence_check():
+    # silent_layers (the per-step check that a layer fell silent) and the decoder's has_grad share
+    # one rule (registry.statistics.layer_ran): a layer ran when its forward sum is not zero or, on a
+    # sampled step, its first-call clock is set. Layer 0's output summed to exactly 0.0 and all its
+    # parameter gradients are zero; layer 1 did not run; layer 2 is alive.
+    from dataclasses import replace
+
+    from gradwatch.flush.readback import silent_layers
+    from gradwatch.registry.statistics import layer_ran
+
+    values = _values([0.0, 0.0, 0.0, 1.0, 1.0], [1, 1, 1, 1, 1], forward=[0.0, 0.0, 2.0])
+    assert silent_layers(values, _LAYOUT).tolist() == [False, False, False]  # unsampled: no call seen
+    sampled = replace(values, order=np.array([3.0, 0.0, 1.0]))  # layers 0 and 2 ran (clock), 1 did not
+    assert silent_layers(sampled, _LAYOUT).tolist() == [True, False, False]
+    # the decoder's rule, on the same evidence as [step, layer] tables
+    ran = layer_ran(np.array([[0.0, 0.0, 2.0]] * 2), np.array([[0.0, 0.0, 0.0], [3.0, 0.0, 1.0]]))
+    assert ran.tolist() == [[False, False, True], [True, False, True]]
+    assert layer_ran(np.array([np.nan]), 0.0).tolist() == [True]  # a non-finite output is a call
