@@ -76,20 +76,12 @@ def check_step_number(global_step: Any) -> int | None:
 
 def warn_about_wrappers(model: nn.Module) -> None:
     """One WARNING at attach for the wrappers whose statistics gradwatch cannot make whole."""
-    names = {type(m).__name__ for m in model.modules()}
     if any(isinstance(m, nn.DataParallel) for m in model.modules()):
         log.warning(
             "gradwatch: nn.DataParallel runs copies of the model on each GPU; parameter-gradient statistics "
             "(grad_norm, grad_max, nonfinite, update_ratio) are of the summed gradients and exact, but "
             "out_grad_norm, dead units and the forward non-finite check cover the copy on the first GPU only "
             "(its share of the batch). Use DistributedDataParallel for all of them."
-        )
-    if "FullyShardedDataParallel" in names:
-        log.warning(
-            "gradwatch: FSDP1 (FullyShardedDataParallel) flattens each wrapped unit's parameters into one sharded "
-            "FlatParameter: the 'layers' gradwatch finds are those flat shards, and their statistics are of "
-            "each rank's shard, not of the model's layers. Use FSDP2 (torch.distributed.fsdp.fully_shard), whose "
-            "DTensor parameters gradwatch reduces to the full layers."
         )
 
 

@@ -1,16 +1,16 @@
 """Every private or unstable torch API gradwatch reads, one module per concern, each with its
 fallback: ``dynamo`` (compiled code and gradwatch's hooks, the user's names), ``amp`` (GradScaler
 state without a sync), ``autograd`` (where a forward call runs), ``parallel`` (tensor parallelism
-and FSDP2 layouts). Elsewhere gradwatch uses only what torch's own utilities use the same way
+and FSDP2 layouts), ``fsdp1`` (the user's parameters inside FSDP1's flat shards), ``deepspeed`` (ZeRO recognised, to refuse it). Elsewhere gradwatch uses only what torch's own utilities use the same way
 (``torch._foreach_*`` kernels as in ``clip_grad``, ``torch._C._set_grad_enabled``) and tensors'
 version counters (``capture/freshness.py``)."""
 
-from . import parallel
+from . import deepspeed, fsdp1, parallel
 from .amp import scaler_scale, scaler_unscaled
 from .autograd import in_backward, in_reentrant_checkpoint
 from .dynamo import forget_compiled_frames, guard_on_hooks, is_compiled_wrapper, release_hook_guards, unwrap, user_name
 
 __all__ = [
-    "parallel", "scaler_scale", "scaler_unscaled", "in_backward", "in_reentrant_checkpoint",
+    "deepspeed", "fsdp1", "parallel", "scaler_scale", "scaler_unscaled", "in_backward", "in_reentrant_checkpoint",
     "forget_compiled_frames", "guard_on_hooks", "is_compiled_wrapper", "release_hook_guards", "unwrap", "user_name",
 ]

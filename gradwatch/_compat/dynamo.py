@@ -22,6 +22,8 @@ from typing import Any, Iterable
 
 from torch import nn
 
+from .fsdp1 import strip_wrapper_parts
+
 log = logging.getLogger("gradwatch")
 
 _ORIG_MOD = "_orig_mod"
@@ -37,7 +39,9 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def user_name(qualified: str) -> str:
-    """A qualified module name without the ``_orig_mod`` parts that compiled wrappers add."""
+    """A qualified module name without the ``_orig_mod`` parts that compiled wrappers add, nor the
+    ``_fsdp_wrapped_module`` / ``_checkpoint_wrapped_module`` parts of FSDP1 and checkpoint wrappers."""
+    qualified = strip_wrapper_parts(qualified)
     if _ORIG_MOD not in qualified:
         return qualified
     return ".".join(part for part in qualified.split(".") if part != _ORIG_MOD)

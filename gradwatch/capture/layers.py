@@ -39,6 +39,17 @@ class LayerSpec:
     params: list[nn.Parameter]
     channel_first: bool
     units: int = 0
+    #: each parameter's whole shape (FSDP1 holds a flat piece of it on each rank; a DTensor's shape is whole)
+    shapes: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    #: per parameter, how many distinct pieces of its gradient the world holds when FSDP1 shards it
+    #: (``_compat.fsdp1``), else 0 (whole, or a DTensor that says so itself)
+    pieces: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.shapes:
+            self.shapes = [tuple(int(s) for s in p.shape) for p in self.params]
+        if not self.pieces:
+            self.pieces = [0] * len(self.params)
 
     def unit_dim(self, ndim: int) -> int:
         """Index of the unit dimension in an output with ``ndim`` dims."""
@@ -79,6 +90,7 @@ def discover_layers(
             "pass the model itself (for Lightning, use the GradWatch callback)"
         )
     model = compiled.unwrap(model)  # torch.compile(model): the user's model and names
+    sharded = compiled.fsdp1.sharded_parameters(model)  # FSDP1's flat pieces: their whole shapes
     include_p = _as_patterns(include, "include")
     exclude_p = _as_patterns(exclude, "exclude")
 
@@ -92,16 +104,17 @@ def discover_layers(
                 seen.add(id(p))
                 own.append(p)
         if own:
-            candidates.append(
-                LayerSpec(
-                    name or ROOT_NAME, module, own, isinstance(module, _CHANNEL_FIRST), declared_units(module, own)
-                )
-            )
+            shapes = [sharded[id(p)].shape if id(p) in sharded else tuple(int(s) for s in p.shape) for p in own]
+            pieces = [sharded[id(p)].pieces if id(p) in sharded else 0 for p in own]
+            units = declared_units(module, own, shapes)
+            candidates.append(LayerSpec(name or ROOT_NAME, module, own, isinstance(module, _CHANNEL_FIRST), units,
+                                        shapes, pieces))  # fmt: skip
     if not candidates:
         raise ValueError(
             f"{type(model).__name__} has no parameters that require grad, so there is no "
             "gradient to monitor; attach gradwatch to the model you train"
         )
+    compiled.deepspeed.refuse_zero(p for c in candidates for p in c.params)  # gradients gradwatch cannot read
 
     names = [c.name for c in candidates]
     if include_p is not None:
@@ -134,14 +147,16 @@ def frozen_layers(model: nn.Module, include: str | Sequence[str] | None,
     return frozen
 
 
-def declared_units(module: nn.Module, own: Sequence[nn.Parameter] = ()) -> int:
+def declared_units(module: nn.Module, own: Sequence[nn.Parameter] = (),
+                   shapes: Sequence[tuple[int, ...]] | None = None) -> int:
     """The number of output units of ``module`` from its metadata; 0 when unknown.
 
     Units are the output features: dim 1 of the output for convolutions and
     per-channel normalisations, the last dim otherwise. Modules torch does not
     describe fall back to a well-known attribute, then to the length of a 1-D
     ``bias`` or ``weight`` they own (a norm's scale, a layer-scale factor); a
-    forward call whose unit dim disagrees is not judged for dead units.
+    forward call whose unit dim disagrees is not judged for dead units. ``shapes``: the whole
+    shapes of ``own`` where a rank holds pieces (FSDP1).
     """
     if isinstance(module, (nn.Linear, nn.Bilinear)):
         return int(module.out_features)
@@ -166,10 +181,11 @@ def declared_units(module: nn.Module, own: Sequence[nn.Parameter] = ()) -> int:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     named = dict(module.named_parameters(recurse=False))
+    whole = {id(q): shape for q, shape in zip(own, shapes if shapes is not None else [tuple(q.shape) for q in own])}
     for attribute in ("bias", "weight"):
         p = named.get(attribute)
-        if p is not None and p.ndim == 1 and any(p is q for q in own):
-            return int(p.shape[0])
+        if p is not None and id(p) in whole and len(whole[id(p)]) == 1:
+            return int(whole[id(p)][0])
     return 0
 
 

@@ -84,18 +84,23 @@ class ParamStats:
         owner: list[int] = []
         sparse_capable: set[int] = set()
         names: list[str] = []
+        shapes: list[tuple[int, ...]] = []
+        pieces: list[int] = []
         for index, layer in enumerate(layers):
             may_be_sparse = bool(getattr(layer.module, "sparse", False))  # Embedding(sparse=True)
             own = {id(p): n for n, p in layer.module.named_parameters(recurse=False)}
-            for p in layer.params:
+            for p, shape, count in zip(layer.params, layer.shapes, layer.pieces):
                 params.append(p)
                 names.append(f"{layer.name}.{own.get(id(p), '?')}")
                 owner.append(index)
+                shapes.append(shape)
+                pieces.append(count)
                 if may_be_sparse:
                     sparse_capable.add(id(p))
         self.n_layers = len(layers)
         self.world_size = max(int(world_size), 1)
-        self.sharded = any(is_dtensor(p) for p in params)
+        #: FSDP1 pieces (``_compat.fsdp1``) or DTensors: partial sums combined over the ranks
+        self.sharded = any(is_dtensor(p) for p in params) or any(pieces)
         #: DTensor parameters replicated on some mesh dim: their gradients may be Partial there
         self._dtensors = [p for p in params if is_dtensor(p) and any(pl.is_replicate() for pl in p.placements)]
         #: ``Collectives.reduce_partials``: a private reduced copy of Partial gradients (None: no collective)
@@ -118,8 +123,14 @@ class ParamStats:
         self.param_names = [names[j] for j in order]
         self.failed_tensors: set[str] = set()
         self.param_layer = np.array([owner[j] for j in order], dtype=np.int64)
-        self.numel = np.array([_global_numel(p) for p in self.params], dtype=np.int64)
-        self.ndim = np.array([p.ndim for p in self.params], dtype=np.int64)
+        #: each column's whole tensor: its number of elements and dimensions (not this rank's piece)
+        self.numel = np.array([int(np.prod(shapes[j])) if shapes[j] else 1 for j in order], dtype=np.int64)
+        self.ndim = np.array([len(shapes[j]) for j in order], dtype=np.int64)
+        #: each column's weight in a world-wide sum when the model is sharded: a whole tensor on
+        #: every rank 1/world, an FSDP1 piece pieces/world (each distinct piece counted once);
+        #: DTensors say theirs at each step (sharding.py)
+        self._base_weights = np.array([pieces[j] / self.world_size if pieces[j] else 1.0 / self.world_size
+                                       for j in order])  # fmt: skip
         self._plan([keys[j] for j in order])
         self._weights: dict[tuple, torch.Tensor] = {}
 
@@ -291,7 +302,7 @@ class ParamStats:
         key = tuple(weights)
         tensor = self._weights.get(key)
         if tensor is None:
-            values = np.full(len(self.params), 1.0 / self.world_size)
+            values = self._base_weights.copy()
             for column, weight in weights:
                 values[column] = weight
             tensor = host_to_device(values, rows.sq.device, rows.sq.dtype)
@@ -302,7 +313,8 @@ class ParamStats:
 
     def param_weights(self) -> np.ndarray:
         """Each column's weight in a world-wide sum of its tensor's pieces (see sharding.py)."""
-        return np.array([local_piece(p, self.world_size)[1] for p in self.params])
+        return np.array([local_piece(p, self.world_size)[1] if is_dtensor(p) else base
+                         for p, base in zip(self.params, self._base_weights)])  # fmt: skip
 
     def drop_references(self) -> None:
         """Forget the parameters (close())."""
@@ -328,7 +340,3 @@ def _group_key(p: torch.Tensor, cpu_fast: bool, dense: bool = False) -> tuple | 
         return None
     large = cpu_fast and p.device.type == "cpu" and p.dtype == torch.float32 and p.numel() >= CPU_LARGE
     return (p.device, p.dtype, large)
-
-
-def _global_numel(p: torch.Tensor) -> int:
-    return int(p.numel())  # a DTensor's numel is that of the full tensor

@@ -85,7 +85,7 @@ def describe_rank(layers: list[LayerSpec], param_stats: ParamStats, layout: Layo
         share = shares[i] if shares is not None else OutputShare(units=layer.units)
         described.append(
             LayerDescription(
-                name=layer.name, units=share.units, shapes=tuple(tuple(int(s) for s in p.shape) for p in layer.params),
+                name=layer.name, units=share.units, shapes=tuple(layer.shapes),
                 unit_offset=share.unit_offset, local_units=int(layout.unit_count[i]),
                 out_weight=share.out_weight, count_weight=share.count_weight,
             )

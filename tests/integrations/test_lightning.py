@@ -148,6 +148,28 @@ def test_ddp_spawn_two_processes_write_once_with_reduced_counters(tmp_path):
     assert scalars["gradwatch/dead_fraction/gate"] == {4: pytest.approx(0.25), 9: pytest.approx(0.25)}
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp1_fit_on_two_processes_records_the_whole_layers(tmp_path):
+    # FSDP1 (use_orig_params=True, every Linear its own unit, FULL_SHARD) through Lightning's
+    # FSDPStrategy on 2 CPU processes (tests/lightning_app/fsdp_fit.py says how it runs on CPU):
+    # the user's layer names, and each layer's grad_norm that of the whole gradient as FSDP gathers it.
+    import json
+
+    cmd = [sys.executable, "-m", "tests.lightning_app.fsdp_fit", str(tmp_path)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    assert all(r["hooks_left"] == 0 for r in ranks)
+    scalars = read_scalars(str(tmp_path / "run"))
+    assert sorted(t for t in scalars if t.startswith("gradwatch/grad_norm/")) == [
+        "gradwatch/grad_norm/net.0", "gradwatch/grad_norm/net.2", "gradwatch/grad_norm/net.4"]  # fmt: skip
+    for step, whole in enumerate(ranks[0]["whole"]):
+        assert whole == ranks[1]["whole"][step]
+        for layer, norm in whole.items():
+            assert scalars[f"gradwatch/grad_norm/{layer}"][step] == pytest.approx(norm, rel=1e-6), (step, layer)
+
+
 def read_scalars_file(path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
