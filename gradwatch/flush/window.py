@@ -53,7 +53,7 @@ class Window:
     #: [update step, layer] RMS of those weights before the step
     judged_weight_rms: np.ndarray | None = None
     #: [step, layer] the judged ratio estimated at every optimizer step from a fixed sample of about
-    #: 1024 elements of each weight matrix (NaN: no sample, or its step not measured)
+    #: 1024 elements of each weight matrix (16 runs of 64) (NaN: no sample, or its step not measured)
     estimated_update_ratio: np.ndarray | None = None
     #: [step, layer] RMS of those samples before the step
     estimated_weight_rms: np.ndarray | None = None

@@ -105,7 +105,7 @@ STATES: tuple[StateDecl, ...] = (
               union_weight="column", needs="updates", description="per tensor: ||w_before||^2"),
     StateDecl(UPDATE_SEEN, ("update_step", "param"), "sum", "unless_sharded", host=True, union_index="param",
               needs="updates", description="per tensor: ranks on which it was measured"),
-    # The per-step estimate: the same squared norms of a fixed strided sample of each weight matrix
+    # The per-step estimate: the same squared norms of a fixed sample (16 runs of 64 elements) of each weight matrix
     # (updates.sample_view) at every optimizer step; sharded tensors are not sampled.
     StateDecl(SAMPLE_UPDATE_SQ, ("step", "sample"), "sum", "always", union_index="sample", union_weight="sample",
               needs="updates", description="per sampled matrix: ||sample after - before||^2"),
