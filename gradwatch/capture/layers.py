@@ -44,12 +44,17 @@ class LayerSpec:
     #: per parameter, how many distinct pieces of its gradient the world holds when FSDP1 shards it
     #: (``_compat.fsdp1``), else 0 (whole, or a DTensor that says so itself)
     pieces: list[int] = dataclasses.field(default_factory=list)
+    #: per parameter: DeepSpeed ZeRO (stage 1 or 2) keeps its gradient, partitioned over ``pieces``
+    #: ranks, in its own buffers (``_compat.deepspeed.local_gradient``); the parameter stays whole
+    zero: list[bool] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.shapes:
             self.shapes = [tuple(int(s) for s in p.shape) for p in self.params]
         if not self.pieces:
             self.pieces = [0] * len(self.params)
+        if not self.zero:
+            self.zero = [False] * len(self.params)
 
     def unit_dim(self, ndim: int) -> int:
         """Index of the unit dimension in an output with ``ndim`` dims."""
@@ -114,7 +119,11 @@ def discover_layers(
             f"{type(model).__name__} has no parameters that require grad, so there is no "
             "gradient to monitor; attach gradwatch to the model you train"
         )
-    compiled.deepspeed.refuse_zero(p for c in candidates for p in c.params)  # gradients gradwatch cannot read
+    # ZeRO 1/2: gradients partitioned over the ranks, read as pieces; ZeRO 3 is refused (UnsupportedSharding)
+    zero = compiled.deepspeed.partitioned_gradients(p for c in candidates for p in c.params)
+    for c in candidates:
+        c.zero = [id(p) in zero for p in c.params]
+        c.pieces = [zero.get(id(p), k) for p, k in zip(c.params, c.pieces)]
 
     names = [c.name for c in candidates]
     if include_p is not None:

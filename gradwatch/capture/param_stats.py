@@ -26,6 +26,7 @@ from .layers import LayerSpec
 from .reductions import (  # noqa: F401  (StepRows, nonfinite_counts: their import path before the split)
     CpuBlasStats, ForeachStats, StepRows, TinyStats, _CpuSlots, complex_stats, nonfinite_counts,
 )
+from .._compat.deepspeed import local_gradient
 from ..distributed.sharding import is_dtensor, is_partial, local_piece, piece_weight
 
 log = logging.getLogger("gradwatch")
@@ -86,10 +87,12 @@ class ParamStats:
         names: list[str] = []
         shapes: list[tuple[int, ...]] = []
         pieces: list[int] = []
+        #: DeepSpeed ZeRO 1/2 parameters: whole, their gradients this rank's fragment in ZeRO's buffers
+        zero_ids: set[int] = set()
         for index, layer in enumerate(layers):
             may_be_sparse = bool(getattr(layer.module, "sparse", False))  # Embedding(sparse=True)
             own = {id(p): n for n, p in layer.module.named_parameters(recurse=False)}
-            for p, shape, count in zip(layer.params, layer.shapes, layer.pieces):
+            for p, shape, count, zero in zip(layer.params, layer.shapes, layer.pieces, layer.zero):
                 params.append(p)
                 names.append(f"{layer.name}.{own.get(id(p), '?')}")
                 owner.append(index)
@@ -97,10 +100,13 @@ class ParamStats:
                 pieces.append(count)
                 if may_be_sparse:
                     sparse_capable.add(id(p))
+                if zero:
+                    zero_ids.add(id(p))
         self.n_layers = len(layers)
         self.world_size = max(int(world_size), 1)
-        #: FSDP1 pieces (``_compat.fsdp1``) or DTensors: partial sums combined over the ranks
+        #: FSDP1 pieces (``_compat.fsdp1``), ZeRO fragments or DTensors: partial sums combined over the ranks
         self.sharded = any(is_dtensor(p) for p in params) or any(pieces)
+        self._zero = zero_ids
         #: DTensor parameters replicated on some mesh dim: their gradients may be Partial there
         self._dtensors = [p for p in params if is_dtensor(p) and any(pl.is_replicate() for pl in p.placements)]
         #: ``Collectives.reduce_partials``: a private reduced copy of Partial gradients (None: no collective)
@@ -116,7 +122,8 @@ class ParamStats:
         #: columns to move into or out of TinyStats at the next step (their squares underflow float32)
         self._retier: set[int] = set()
         # Columns ordered by group (device, dtype, strategy): each group a contiguous slice.
-        keys = [None if id(p) in sparse_capable else _group_key(p, self.cpu_fast) for p in params]
+        # reduced one by one: sparse-capable tensors, and ZeRO's fragments (read through ``_grad``)
+        keys = [None if id(p) in sparse_capable or id(p) in zero_ids else _group_key(p, self.cpu_fast) for p in params]
         order = sorted(range(len(params)), key=lambda j: (keys[j] is None, str(keys[j]), j))
         self.params = [params[j] for j in order]
         #: "layer.parameter" of each column (log lines only)
@@ -196,7 +203,8 @@ class ParamStats:
             if key is not None and (group.params[0].dtype != key[1] or group.params[0].device != key[0]):
                 self._replan()  # cast after attaching: follow it (or, moved, say so)
                 return self._record(rows, present)
-            grads = [p.grad for p in group.params]
+            grads = [p.grad for p in group.params] if group.key is not None or not self._zero else \
+                [self._grad(p) for p in group.params]
             if group.key is not None and not any(map(_is_none, grads)):
                 present[group.cols] = 1
                 for k in self._reduce(group.key, grads, rows.part(group.cols), group.cols.start):
@@ -220,6 +228,10 @@ class ParamStats:
                     present[column] = 0
         if self.sharded:
             self._apply_weights(rows, weights)
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """A parameter's gradient as this rank holds it: ``p.grad``, or its ZeRO fragment."""
+        return local_gradient(p) if id(p) in self._zero else p.grad
 
     def _reduced_partials(self) -> dict[int, torch.Tensor]:
         """id(gradient) -> its reduced private copy, for the Partial gradients (read-only: ``p.grad``
@@ -316,14 +328,17 @@ class ParamStats:
         rows.nonfinite.mul_(tensor)
 
     def param_weights(self) -> np.ndarray:
-        """Each column's weight in a world-wide sum of its tensor's pieces (see sharding.py)."""
-        return np.array([local_piece(p, self.world_size)[1] if is_dtensor(p) else base
+        """Each column's weight in a world-wide sum of its *parameter's* pieces (see sharding.py): a
+        ZeRO parameter is whole on every rank (only its gradient is partitioned): 1/world."""
+        return np.array([local_piece(p, self.world_size)[1] if is_dtensor(p)
+                         else 1.0 / self.world_size if id(p) in self._zero else base
                          for p, base in zip(self.params, self._base_weights)])  # fmt: skip
 
     def drop_references(self) -> None:
         """Forget the parameters (close())."""
         self.params = []
         self._dtensors = []
+        self._zero = set()
         self._groups = []
         self._light_groups = []
 

@@ -112,10 +112,12 @@ class ModelWatch:
             log.warning(
                 "gradwatch: backward reached the model's layers in steps %d-%d (their output gradients were seen) "
                 "but no parameter had a .grad at step(), so grad_norm, grad_max, nonfinite, vanishing and exploding "
-                "have nothing to judge. Something takes the gradients before step(): DeepSpeed ZeRO keeps them in "
-                "its own buffers (not supported yet; use DDP or FSDP2's fully_shard), a hook that steps the "
-                "optimizer inside backward and clears p.grad, or zero_grad() called before step(). Call step() "
-                "where p.grad holds this step's gradients (after backward, before zero_grad).",
+                "have nothing to judge. Something takes the gradients before step(): a hook that steps the "
+                "optimizer inside backward and clears p.grad, zero_grad() called before step(), or DeepSpeed ZeRO "
+                "stepping its engine before step() (ZeRO 1/2 gradients are read between engine.backward() and "
+                "engine.step(); the Hugging Face Trainer runs both inside accelerator.backward(), so under ZeRO "
+                "its callback sees none). Call step() where this step's gradients are still held (after "
+                "backward, before zero_grad or engine.step).",
                 window.steps[0], window.steps[-1],
             )  # fmt: skip
 

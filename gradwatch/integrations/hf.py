@@ -31,7 +31,7 @@ from ..alerts import Alert
 from ..config import HealthConfig
 from ..monitor import GradMonitor
 from ..settings import check_settings, warn_if_compiled_with_a_cache
-from .lifecycle import MonitorLifecycle, config_from, config_to_json, discover_scaler
+from .lifecycle import MonitorLifecycle, config_from, config_to_json, discover_scaler, watchable_optimizer
 
 log = logging.getLogger("gradwatch")
 
@@ -146,7 +146,7 @@ class GradWatchCallback(TrainerCallback, _ExportableState):
             return GradMonitor(
                 model, writer=writer, logdir=logdir, flush_every=self.flush_every, config=self.config,
                 include=self.include, exclude=self.exclude, scaler=self._scaler, histograms=self.histograms,
-                optimizer=getattr(optimizer, "optimizer", optimizer),  # accelerate wraps the optimizer
+                optimizer=watchable_optimizer(optimizer),
                 detail=self.detail,
             )  # fmt: skip
 

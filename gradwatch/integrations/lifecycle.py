@@ -133,6 +133,21 @@ def grads_still_scaled(scaler: Any, optimizer: Any) -> bool:
     return unscaled is False
 
 
+def watchable_optimizer(optimizer: Any) -> Any:
+    """The optimizer a framework steps, for update_ratio: unwrapped from accelerate's wrapper; None
+    (with one WARNING) when it is not a ``torch.optim.Optimizer`` stepping the model's own
+    parameters (DeepSpeed ZeRO's optimizer steps its fp32 partitions, then copies them back)."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+    if optimizer is None or hasattr(optimizer, "register_step_pre_hook"):
+        return optimizer
+    log.warning(
+        "gradwatch: update_ratio is not measured: the training optimizer is a %s, not a torch.optim.Optimizer "
+        "stepping the model's parameters (DeepSpeed ZeRO steps its own fp32 partitions); every other "
+        "statistic is recorded", type(optimizer).__name__,
+    )
+    return None
+
+
 def discover_scaler(*owners: Any) -> Any:
     """The first active ``GradScaler``-like object among ``owners``' ``scaler`` attributes (None)."""
     for owner in owners:

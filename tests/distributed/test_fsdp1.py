@@ -66,14 +66,23 @@ def test_fsdp1_without_original_parameters_is_refused_at_attach_with_the_remedy(
         assert "use_orig_params=True" in result["error"] and "fully_shard" in result["error"], result["error"]
 
 
-def test_deepspeed_zero_stages_are_refused_at_attach_naming_the_stage(gloo):
+def test_deepspeed_zero_1_and_2_give_the_whole_gradient_and_stage_3_is_refused(gloo):
     # Runs where deepspeed is installed (it is not in the test extras: CI skips this test; here it
-    # ran with deepspeed 0.19.8 and its CPU accelerator). Every stage leaves p.grad None after
-    # engine.backward, which is why gradwatch refuses rather than report nothing.
+    # ran with deepspeed 0.19.8 and its CPU accelerator). Every p.grad is None after engine.backward;
+    # gradwatch reads each rank's fragment of ZeRO's reduced gradient (no collective until the flush).
     pytest.importorskip("deepspeed")
     for result in gloo("tests.distributed.deepspeed_worker:body", 2):
-        for stage, run in result.items():
-            assert run["grads_none"], stage
-            for message in run["refused"]:  # the engine, and the module inside it
-                assert message is not None and message.startswith("UnsupportedSharding"), (stage, message)
-                assert f"ZeRO (stage {'3' if stage == '3' else '1 or 2'})" in message and "fully_shard" in message
+        for stage in ("1", "2"):
+            run = result[stage]
+            assert run["layers"] == ["0", "2", "4"] and run["alerts"] == []
+            assert run["calls_before_flush"] == {"gather": 1, "reduce": 0, "partials": 0}
+            assert run["calls"] == {"gather": 1, "reduce": 2, "partials": 0}
+            for record in run["steps"]:
+                assert record["grads_none"]  # what makes ZeRO unreadable through p.grad
+                assert 0 < record["held"] < record["total"]  # each rank holds a fragment, not the whole
+                for name, values in record["got"].items():
+                    for stat, value in values.items():
+                        assert value == pytest.approx(record["expected"][name][stat], rel=1e-6), (stage, name, stat)
+        for message in result["3"]["refused"]:  # the engine, and the module inside it
+            assert message is not None and message.startswith("UnsupportedSharding"), message
+            assert "ZeRO (stage 3)" in message and "fully_shard" in message
