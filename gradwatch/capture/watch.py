@@ -114,10 +114,9 @@ class ModelWatch:
                 "but no parameter had a .grad at step(), so grad_norm, grad_max, nonfinite, vanishing and exploding "
                 "have nothing to judge. Something takes the gradients before step(): a hook that steps the "
                 "optimizer inside backward and clears p.grad, zero_grad() called before step(), or DeepSpeed ZeRO "
-                "stepping its engine before step() (ZeRO 1/2 gradients are read between engine.backward() and "
-                "engine.step(); the Hugging Face Trainer runs both inside accelerator.backward(), so under ZeRO "
-                "its callback sees none). Call step() where this step's gradients are still held (after "
-                "backward, before zero_grad or engine.step).",
+                "stepping its engine before step() (ZeRO 1/2 gradients exist between engine.backward() and "
+                "engine.step()). Call step() where this step's gradients are still held (after backward, before "
+                "zero_grad or engine.step).",
                 window.steps[0], window.steps[-1],
             )  # fmt: skip
 

@@ -155,6 +155,9 @@ class GradWatchCallback(TrainerCallback, _ExportableState):
             warn_if_compiled_with_a_cache(model)
         if accelerator is not None and hasattr(accelerator, "clip_grad_norm_"):
             self._wrap_clip(accelerator)
+        engine = getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)
+        if engine is not None and hasattr(engine, "step"):
+            self._wrap_engine_step(engine)
         if trainer is not None:
             self._wrap_training_step(trainer)
 
@@ -173,6 +176,21 @@ class GradWatchCallback(TrainerCallback, _ExportableState):
             return original(parameters, max_norm, norm_type=norm_type, **kwargs)
 
         self._install(accelerator, "clip_grad_norm_", clip_grad_norm_)
+
+    def _wrap_engine_step(self, engine: Any) -> None:
+        """DeepSpeed: accelerate calls ``engine.step()`` inside ``accelerator.backward()`` at each
+        accumulation boundary, and ZeRO's reduced gradients exist only until then: record just
+        before it (before DeepSpeed clips, as with the accelerator's clip)."""
+        original = engine.step
+        callback = self
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            state = callback._state
+            if state is not None:
+                callback._record(state.global_step + 1, before_clip=True)
+            return original(*args, **kwargs)
+
+        self._install(engine, "step", step)
 
     def _wrap_training_step(self, trainer: Any) -> None:
         """The Trainer has no callback event for an exception: a step that raises (forward, loss,
