@@ -119,11 +119,7 @@ def discover_layers(
             f"{type(model).__name__} has no parameters that require grad, so there is no "
             "gradient to monitor; attach gradwatch to the model you train"
         )
-    # ZeRO 1/2: gradients partitioned over the ranks, read as pieces; ZeRO 3 is refused (UnsupportedSharding)
-    zero = compiled.deepspeed.partitioned_gradients(p for c in candidates for p in c.params)
-    for c in candidates:
-        c.zero = [id(p) in zero for p in c.params]
-        c.pieces = [zero.get(id(p), k) for p, k in zip(c.params, c.pieces)]
+    _mark_zero(candidates)
 
     names = [c.name for c in candidates]
     if include_p is not None:
@@ -138,6 +134,15 @@ def discover_layers(
             f"the layers are: {', '.join(names)}"
         )
     return candidates
+
+
+def _mark_zero(candidates: list[LayerSpec]) -> None:
+    """DeepSpeed ZeRO 1/2: gradients partitioned over the ranks, read as pieces (``LayerSpec.zero``);
+    ZeRO 3 raises ``UnsupportedSharding``."""
+    zero = compiled.deepspeed.partitioned_gradients(p for c in candidates for p in c.params)
+    for c in candidates:
+        c.zero = [id(p) in zero for p in c.params]
+        c.pieces = [zero.get(id(p), k) for p, k in zip(c.params, c.pieces)]
 
 
 def frozen_layers(model: nn.Module, include: str | Sequence[str] | None,

@@ -71,6 +71,33 @@ class _Group:
     params: list[torch.nn.Parameter]
 
 
+class _Columns:
+    """The layers' parameters as columns, in layer order, with what each needs said about it."""
+
+    def __init__(self, layers: list[LayerSpec]) -> None:
+        self.params: list[torch.nn.Parameter] = []
+        self.owner: list[int] = []  # the layer of each column
+        self.names: list[str] = []  # "layer.parameter" (log lines only)
+        self.shapes: list[tuple[int, ...]] = []  # whole shapes (FSDP1 pieces: the parameter's)
+        self.pieces: list[int] = []  # FSDP1 / ZeRO pieces of the gradient over the ranks (0: whole)
+        self.sparse_capable: set[int] = set()  # Embedding(sparse=True): reduced one by one
+        #: DeepSpeed ZeRO 1/2 parameters: whole, their gradients this rank's fragment in ZeRO's buffers
+        self.zero_ids: set[int] = set()
+        for index, layer in enumerate(layers):
+            may_be_sparse = bool(getattr(layer.module, "sparse", False))
+            own = {id(p): n for n, p in layer.module.named_parameters(recurse=False)}
+            for p, shape, count, zero in zip(layer.params, layer.shapes, layer.pieces, layer.zero):
+                self.params.append(p)
+                self.names.append(f"{layer.name}.{own.get(id(p), '?')}")
+                self.owner.append(index)
+                self.shapes.append(shape)
+                self.pieces.append(count)
+                if may_be_sparse:
+                    self.sparse_capable.add(id(p))
+                if zero:
+                    self.zero_ids.add(id(p))
+
+
 class ParamStats:
     """Per-tensor sum of squares, max |g| and non-finite count of the layers' parameter gradients."""
 
@@ -81,27 +108,9 @@ class ParamStats:
         world_size: int = 1,
         reduce_partials: Callable[[list[torch.Tensor]], list[torch.Tensor] | None] | None = None,
     ) -> None:
-        params: list[torch.nn.Parameter] = []
-        owner: list[int] = []
-        sparse_capable: set[int] = set()
-        names: list[str] = []
-        shapes: list[tuple[int, ...]] = []
-        pieces: list[int] = []
-        #: DeepSpeed ZeRO 1/2 parameters: whole, their gradients this rank's fragment in ZeRO's buffers
-        zero_ids: set[int] = set()
-        for index, layer in enumerate(layers):
-            may_be_sparse = bool(getattr(layer.module, "sparse", False))  # Embedding(sparse=True)
-            own = {id(p): n for n, p in layer.module.named_parameters(recurse=False)}
-            for p, shape, count, zero in zip(layer.params, layer.shapes, layer.pieces, layer.zero):
-                params.append(p)
-                names.append(f"{layer.name}.{own.get(id(p), '?')}")
-                owner.append(index)
-                shapes.append(shape)
-                pieces.append(count)
-                if may_be_sparse:
-                    sparse_capable.add(id(p))
-                if zero:
-                    zero_ids.add(id(p))
+        c = _Columns(layers)
+        params, owner, names, shapes, pieces, sparse_capable, zero_ids = (
+            c.params, c.owner, c.names, c.shapes, c.pieces, c.sparse_capable, c.zero_ids)  # fmt: skip
         self.n_layers = len(layers)
         self.world_size = max(int(world_size), 1)
         #: FSDP1 pieces (``_compat.fsdp1``), ZeRO fragments or DTensors: partial sums combined over the ranks
