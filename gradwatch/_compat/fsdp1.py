@@ -20,7 +20,6 @@ tensor per unit: refused at attach with the remedy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from torch import nn
 
@@ -95,11 +94,3 @@ def strip_wrapper_parts(qualified: str) -> str:
         return qualified
     return ".".join(part for part in qualified.split(".") if part not in WRAPPER_PARTS)
 
-
-def is_wrapper(module: Any) -> bool:
-    """An FSDP1 unit (its parameters are the wrapped module's)."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:
-        return False
-    return isinstance(module, FullyShardedDataParallel)

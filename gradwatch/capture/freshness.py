@@ -8,9 +8,11 @@ backward reaches in nearly every model (embeddings, heads). A backward changes a
 gradient in place (its version counter grows: accumulation, ``zero_grad(set_to_none=False)``)
 or replaces it (a new tensor after ``zero_grad()``); a weak reference tells a new tensor from
 an old one whose memory Python reused. The step is a repeat only when every witness has a
-gradient that is the very tensor of the last recorded step with the same version; a witness
-without a gradient says nothing, an FSDP1 piece is not a witness, nor does a sharded (DTensor) one say anything, whose shard FSDP2 may
-accumulate into without the wrapper's version changing: such models are recorded as before.
+gradient that is the very tensor of the last recorded step with the same version. A witness
+without a gradient says nothing, nor does a sharded (DTensor) one, whose shard FSDP2 may
+accumulate into without the wrapper's version changing: such models are recorded as before. A
+parameter whose gradient is split into pieces (FSDP1, DeepSpeed ZeRO) is never a witness: a rank
+may hold none of it, and every rank must decide alike.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class BackwardWitness:
     """
 
     def __init__(self, layers: list[Any]) -> None:
-        # not an FSDP1 piece (LayerSpec.pieces): a rank may hold none of it, and every rank must decide alike
+        # not a gradient split into pieces (LayerSpec.pieces): see the module docstring
         trainable = [layer.params[0] for layer in layers if layer.params and not layer.pieces[0]]
         picks = sorted({round(i * (len(trainable) - 1) / (_WITNESSES - 1)) for i in range(_WITNESSES)}) if trainable else []
         self._params: list[torch.nn.Parameter] = [trainable[i] for i in picks]

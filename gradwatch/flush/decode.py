@@ -6,11 +6,11 @@ together into a :class:`Window`.
 
 from __future__ import annotations
 
+from dataclasses import fields as dataclass_fields
+
 import numpy as np
 
 from ..registry.states import FWD_ORDER
-from dataclasses import fields as dataclass_fields
-
 from ..registry.statistics import Decoding, all_statistics
 from .readback import forward_order
 from .window import Window

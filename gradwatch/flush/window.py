@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..registry import outputs
+
 
 @dataclass
 class Window:
@@ -67,9 +69,8 @@ class Window:
 
     @property
     def output_stats(self) -> dict[str, np.ndarray]:
-        """name -> [step, layer] each output statistic (registry/outputs.py); NaN where not recorded."""
-        from ..registry import outputs  # the table as it is now (a statistic may be added to it)
-
+        """name -> [step, layer] each output statistic (registry/outputs.py, read as it is now); NaN
+        where not recorded."""
         return {s.name: self.extra_stats[s.name] for s in outputs.OUTPUT_STATISTICS if s.name in self.extra_stats}
 
     @property

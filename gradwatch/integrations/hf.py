@@ -154,10 +154,10 @@ class GradWatchCallback(TrainerCallback, _ExportableState):
         if getattr(args, "torch_compile", False):  # the Trainer compiles the model whole
             warn_if_compiled_with_a_cache(model)
         if accelerator is not None and hasattr(accelerator, "clip_grad_norm_"):
-            self._wrap_clip(accelerator)
+            self._record_before(accelerator, "clip_grad_norm_")
         engine = getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)
         if engine is not None and hasattr(engine, "step"):
-            self._wrap_engine_step(engine)
+            self._record_before(engine, "step")
         if trainer is not None:
             self._wrap_training_step(trainer)
 
@@ -165,32 +165,23 @@ class GradWatchCallback(TrainerCallback, _ExportableState):
         self._detach()
 
     # ---------------------------------------------------------------- record
-    def _wrap_clip(self, accelerator: Any) -> None:
-        original = accelerator.clip_grad_norm_
+    def _record_before(self, owner: Any, name: str) -> None:
+        """Record the gradients just before ``owner.name()`` runs, once per optimizer step: the
+        accelerator's ``clip_grad_norm_`` (the gradients as the Trainer is about to clip them), or
+        DeepSpeed's ``engine.step()``, which accelerate calls inside ``accelerator.backward()`` at
+        each accumulation boundary (ZeRO's reduced gradients exist only until then; DeepSpeed
+        clips inside it). The Trainer logs this update's grad_norm at global_step + 1, after it
+        increments it."""
+        original = getattr(owner, name)
         callback = self
 
-        def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:
-            # The gradients as the Trainer is about to clip them, once per optimizer step. The
-            # Trainer logs this update's grad_norm at global_step + 1, after it increments it.
-            callback._record(callback._state.global_step + 1, before_clip=True)
-            return original(parameters, max_norm, norm_type=norm_type, **kwargs)
-
-        self._install(accelerator, "clip_grad_norm_", clip_grad_norm_)
-
-    def _wrap_engine_step(self, engine: Any) -> None:
-        """DeepSpeed: accelerate calls ``engine.step()`` inside ``accelerator.backward()`` at each
-        accumulation boundary, and ZeRO's reduced gradients exist only until then: record just
-        before it (before DeepSpeed clips, as with the accelerator's clip)."""
-        original = engine.step
-        callback = self
-
-        def step(*args: Any, **kwargs: Any) -> Any:
+        def record_then_call(*args: Any, **kwargs: Any) -> Any:
             state = callback._state
             if state is not None:
                 callback._record(state.global_step + 1, before_clip=True)
             return original(*args, **kwargs)
 
-        self._install(engine, "step", step)
+        self._install(owner, name, record_then_call)
 
     def _wrap_training_step(self, trainer: Any) -> None:
         """The Trainer has no callback event for an exception: a step that raises (forward, loss,

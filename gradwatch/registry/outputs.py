@@ -2,18 +2,18 @@
 layer's output, recorded on the sampled steps (every step with ``detail="full"``).
 
 An entry says what the tap accumulates (traceable tensor ops on the output, into declared
-cells; every entry also gets the number of output elements, counted once for all of them), how ranks combine the accumulators (``reduce``) and how a union of ranks weighs them
-(``union_weight``: ``"count"`` like the forward sums, each tensor-parallel piece once), how the
-host decodes them into a value, and the tag it is written under (``gradwatch/<name>/<layer>``).
-The buffer layout (``capture.layout``), the taps (``capture.taps``), the union gather
-(``distributed.mesh``), the decoder (``flush.decode``) and the scalars (``sinks.scalars``) read
-the entries; adding a statistic of this family is one entry here.
+cells; every entry also gets the number of output elements, counted once for all of them), how
+the host decodes them into a value, and the tag it is written under (``gradwatch/<name>/<layer>``).
+The accumulators live in one state, ``out_stats`` (``states.py``): summed over ranks, weighed in a
+union like the forward sums ("count": split outputs add up, a repeated output counts once). The
+taps (``capture.taps``) and the decoder (``statistics.py``) read the entries; adding a statistic
+of this family is one entry here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable
 
 import numpy as np
 import torch
@@ -32,9 +32,6 @@ class OutputStatistic:
             so that it compiles under ``torch.compile(fullgraph=True)``.
         decode: ``fn(accumulators [..., k], elements [...]) -> values [...]`` on the host, with
             the number of output elements they were taken over; NaN where undefined.
-        reduce: how ranks combine the accumulators ("sum").
-        union_weight: how ranks holding pieces of one layer's output weigh them: "count" (like the
-            forward sums: split outputs add up, a repeated output counts once).
         description: what the value means, for the docs and ``help()``.
         label: the gradwatch tab's menu label.
         log_scale: drawn on a log axis (magnitudes over decades).
@@ -44,8 +41,6 @@ class OutputStatistic:
     accumulators: tuple[str, ...]
     accumulate: Callable[[torch.Tensor, torch.dtype], list[torch.Tensor]]
     decode: Callable[[np.ndarray, np.ndarray], np.ndarray]
-    reduce: Literal["sum"] = "sum"
-    union_weight: Literal["count"] = "count"
     description: str = ""
     label: str = ""
     log_scale: bool = False
