@@ -2,12 +2,14 @@
 
     python benchmarks/compile_graphs.py            # every case (about two minutes on 2 CPU cores)
     python benchmarks/compile_graphs.py llama      # the cases whose name contains "llama"
+    python benchmarks/compile_graphs.py mlp encoder  # the shape regimes: static, dynamic=None, dynamic=True
 
-Each case trains 12 steps (``aot_eager``; windows of 6, so steps 2-5 and 8-11 are unsampled) twice
+Each case trains 12 steps unless it says (``aot_eager``; windows of 6, so steps 2-5 and 8-11 are unsampled) twice
 in one process, unmonitored then monitored, after ``torch._dynamo.reset()``; dynamo's counters are
 process-wide, so each run clears them first. "graphs" is ``unique_graphs``, "breaks" the sum of
 ``graph_break`` counts; "out_grad" how many monitored layers have an output-gradient statistic in
-the last window (recorded inside the compiled code).
+the last window (recorded inside the compiled code); "recompile limit hit" how many times dynamo
+warned that a frame reached ``config.recompile_limit`` (and runs eagerly from then on).
 """
 
 from __future__ import annotations
@@ -61,21 +63,60 @@ def gpt2(use_cache: bool) -> Case:
     return build
 
 
-def run(build: Case, monitored: bool, steps: int = 12) -> dict[str, object]:
+def mlp_batches(sizes: tuple[int, ...]) -> Case:
+    """An MLP fed batches whose size cycles through ``sizes`` (a new shape at each of the first steps)."""
+
+    def build():
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+        step = iter(range(1 << 30))
+        return model, lambda: torch.randn(sizes[next(step) % len(sizes)], 8), lambda out, x: out.square().mean()
+
+    return build
+
+
+def encoder_lengths(lengths: tuple[int, ...]) -> Case:
+    """The TransformerEncoder case fed sequences whose length cycles through ``lengths``."""
+
+    def build():
+        model, _, loss_of = transformer_encoder()
+        step = iter(range(1 << 30))
+        return model, lambda: torch.randn(4, lengths[next(step) % len(lengths)], 8), loss_of
+
+    return build
+
+
+class _LimitHits(logging.Handler):
+    """Counts dynamo's "hit config.recompile_limit" warnings (a frame sent back to eager)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.hits = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "recompile_limit" in record.getMessage():
+            self.hits += 1
+
+
+def run(build: Case, monitored: bool, steps: int = 12, dynamic: bool | None = None) -> dict[str, object]:
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
     model, batch, loss_of = build()
     monitor = GradMonitor(model, flush_every=6) if monitored else None
-    compiled = torch.compile(model, backend="aot_eager")
-    for _ in range(steps):
-        x = batch()
-        loss_of(compiled(x), x).backward()
-        if monitor is not None:
-            monitor.step()
-        model.zero_grad()
+    compiled = torch.compile(model, backend="aot_eager", dynamic=dynamic)
+    limit = _LimitHits()
+    logging.getLogger("torch._dynamo").addHandler(limit)
+    try:
+        for _ in range(steps):
+            x = batch()
+            loss_of(compiled(x), x).backward()
+            if monitor is not None:
+                monitor.step()
+            model.zero_grad()
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(limit)
     result: dict[str, object] = {"graphs": counters["stats"]["unique_graphs"],
-                                 "breaks": sum(counters["graph_break"].values())}  # fmt: skip
+                                 "breaks": sum(counters["graph_break"].values()), "limit": limit.hits}  # fmt: skip
     if monitor is not None:
         window = monitor.last_window
         result["out_grad"] = f"{int(np.isfinite(window.out_grad_norm).any(axis=0).sum())}/{len(window.layers)}"
@@ -111,20 +152,26 @@ CASES: dict[str, Callable[[bool], dict[str, object]]] = {
     "GPT-2 (tiny), use_cache=False": lambda m: run(gpt2(False), m),
     "GPT-2 (tiny), use_cache=True": lambda m: run(gpt2(True), m),
     "HF Trainer, torch_compile=True, GPT-2": hf_trainer,
+    "MLP, dynamic=False, 5 batch sizes, 60 steps": lambda m: run(mlp_batches((8, 16, 24, 32, 40)), m, 60, False),
+    "MLP, dynamic=None, batch sizes 8/16/24/32": lambda m: run(mlp_batches((8, 16, 24, 32)), m, 24),
+    "MLP, dynamic=True, batch sizes 8/16/24/32": lambda m: run(mlp_batches((8, 16, 24, 32)), m, 24, True),
+    "TransformerEncoder, dynamic=None, lengths 4/6/9/12": lambda m: run(encoder_lengths((4, 6, 9, 12)), m, 24),
+    "TransformerEncoder, dynamic=False, lengths 4/6/9": lambda m: run(encoder_lengths((4, 6, 9)), m, 24, False),
 }
 
 
 def main(argv: list[str]) -> None:
     logging.getLogger("gradwatch").setLevel(logging.ERROR)
     print(f"torch {torch.__version__}, aot_eager, 12 steps, windows of 6\n")
-    print("| case | graphs without / with gradwatch | graph breaks without / with | layers with out_grad_norm |")
-    print("|---|---|---|---|")
+    print("| case | graphs without / with gradwatch | recompile limit hit without / with "
+          "| graph breaks without / with | layers with out_grad_norm |")
+    print("|---|---|---|---|---|")
     for name, case in CASES.items():
         if argv and not any(a.lower() in name.lower() for a in argv):
             continue
         base, mon = case(False), case(True)
-        print(f"| {name} | {base['graphs']} / {mon['graphs']} | {base['breaks']} / {mon['breaks']} | "
-              f"{mon.get('out_grad', '-')} |", flush=True)  # fmt: skip
+        print(f"| {name} | {base['graphs']} / {mon['graphs']} | {base.get('limit', '-')} / {mon.get('limit', '-')} | "
+              f"{base['breaks']} / {mon['breaks']} | {mon.get('out_grad', '-')} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -167,6 +167,28 @@ def gpt2_small(batch: int = 4, seq: int = 128) -> Workload:
     return Workload(f"gpt2-6x384-b{batch}x{seq}", make_model, make_batch, loss)
 
 
+def gpt2_tiny(batch: int = 8, seq: int = 128) -> Workload:
+    """A tiny GPT-2 from transformers' config (2 layers, d_model 128, 4 heads), for compiled runs:
+    ``use_cache=False``, as the Hugging Face Trainer sets it for training (docs/reference.md,
+    "Compiled models", says why it matters under torch.compile)."""
+
+    def make_model() -> nn.Module:
+        import transformers
+
+        config = transformers.GPT2Config(vocab_size=2048, n_positions=seq, n_embd=128, n_layer=2, n_head=4,
+                                         bos_token_id=0, eos_token_id=0, use_cache=False)  # fmt: skip
+        return _LogitsOnly(transformers.GPT2LMHeadModel(config))
+
+    def make_batch(device: torch.device):
+        ids = torch.randint(0, 2048, (batch, seq), device=device)
+        return ids, ids
+
+    def loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+    return Workload(f"gpt2-2x128-b{batch}x{seq}", make_model, make_batch, loss)
+
+
 def vit_tiny(batch: int = 8, size: int = 224) -> Workload:
     """ViT-Ti/16 from transformers' config (12 layers, hidden 192, 3 heads), 224x224 images."""
 

@@ -116,6 +116,7 @@ class StepPipeline:
             self.last_window = window
             self.watch.check_hooks_ran(window)
             self.watch.check_gradients_arrived(window)
+            self.watch.check_recompile_limit()
         self._stop_on(new)
         return new
 

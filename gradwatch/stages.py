@@ -79,6 +79,7 @@ def connect(model: nn.Module, layers: list[LayerSpec], recorder: Recorder, colle
         pipeline.layers, pipeline.optimizer = layers, optimizer
         stages = Stages(names, detection, watch, outputs, pipeline, None, is_writer)
         stages.hooks = HookSet(model, layers, recorder.cells.taps)
+        watch.model_code = stages.hooks.model_code
     except BaseException:
         watch.drop_references()
         outputs.close()

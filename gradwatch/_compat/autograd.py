@@ -38,3 +38,12 @@ def in_reentrant_checkpoint() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def in_compiled_autograd() -> bool:
+    """Whether this runs inside a backward that compiled autograd traces
+    (``torch._dynamo.config.compiled_autograd``): a tensor hook is then traced into its graph, where
+    ``torch.cond`` cannot be (torch 2.13). False where the private flag is missing."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    config = sys.modules.get("torch._dynamo.config")
+    return bool(getattr(module, "in_compiled_autograd_region", False) or getattr(config, "compiled_autograd", False))

@@ -99,26 +99,12 @@ def _guards_on_hooks(entry: Any) -> bool:
         return False
 
 
-def forget_compiled_frames(model: nn.Module, wrappers: Iterable[nn.Module] = ()) -> int:
-    """Drop the frames dynamo compiled for ``model``'s code without guards on module hooks, so that
-    the next call traces its hooks as they are now. Returns how many code objects were dropped.
-    Frames compiled while a monitor had the hook guards on are kept: they retrace by themselves
-    when hooks change, and another model sharing the code (an EMA copy, a teacher) keeps them.
-
-    The candidates: every method of the model's own module classes (``forward``, what
-    ``torch.compile`` of a user model and regional ``block.compile()`` compile; a Lightning
-    module's ``training_step``, which Lightning compiles too), and the code dynamo wraps a
-    ``torch.nn`` model in (``torch.compile(nn.Sequential(...))``), which all such wrappers
-    share: theirs recompile once too. A free function compiled around the model is not found:
-    ``GradMonitor`` warns at the first flush when its hooks did not run.
-    """
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is None:  # dynamo was never imported: nothing can have been compiled
-        return 0
-    entries = getattr(eval_frame, "_debug_get_cache_entry_list", None)
-    reset_code = getattr(eval_frame, "reset_code", None)
-    if entries is None or reset_code is None:
-        return 0
+def model_code(model: nn.Module, wrappers: Iterable[nn.Module] = ()) -> list[types.CodeType]:
+    """The code objects dynamo may compile for ``model``: every method of the model's own module
+    classes (``forward``, what ``torch.compile`` of a user model and regional ``block.compile()``
+    compile; a Lightning module's ``training_step``, which Lightning compiles too), ``forward`` of
+    the ``torch.nn`` classes in it, and the code dynamo wraps a ``torch.nn`` model in
+    (``torch.compile(nn.Sequential(...))``), which all such wrappers share."""
     codes: dict[int, types.CodeType] = {}
 
     def add(function: Any) -> None:
@@ -144,8 +130,30 @@ def forget_compiled_frames(model: nn.Module, wrappers: Iterable[nn.Module] = ())
     for const in getattr(getattr(wrap_inline, "__code__", None), "co_consts", ()):
         if isinstance(const, types.CodeType):
             codes[id(const)] = const
+    return list(codes.values())
+
+
+def _cache_entries() -> Any:
+    """dynamo's reader of a code object's compiled entries, or None (dynamo never imported, or private API gone)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(eval_frame, "_debug_get_cache_entry_list", None)
+
+
+def forget_compiled_frames(model: nn.Module, wrappers: Iterable[nn.Module] = ()) -> int:
+    """Drop the frames dynamo compiled for ``model``'s code (:func:`model_code`) without guards on
+    module hooks, so that the next call traces its hooks as they are now. Returns how many code
+    objects were dropped. Frames compiled while a monitor had the hook guards on are kept: they
+    retrace by themselves when hooks change, and another model sharing the code (an EMA copy, a
+    teacher) keeps them. A free function compiled around the model is not found:
+    ``GradMonitor`` warns at the first flush when its hooks did not run.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    entries = _cache_entries()
+    reset_code = getattr(eval_frame, "reset_code", None)
+    if entries is None or reset_code is None:
+        return 0
     dropped = 0
-    for code in codes.values():
+    for code in model_code(model, wrappers):
         try:
             # Only code with an entry compiled without hook guards (before a monitor turned them on):
             # an entry that guards on hooks retraces by itself when they change, and resetting a
@@ -156,3 +164,29 @@ def forget_compiled_frames(model: nn.Module, wrappers: Iterable[nn.Module] = ())
         except Exception as exc:  # never break a run over a cache
             log.debug("gradwatch: could not reset dynamo's cache of %s: %s", code.co_name, exc)
     return dropped
+
+
+def at_recompile_limit(codes: Iterable[types.CodeType]) -> list[tuple[str, int, int]]:
+    """(function, compiled variants, limit) of each code object whose compiled variants reached
+    dynamo's ``recompile_limit``: dynamo compiles no more variants of it, and a call that matches
+    none of them runs eagerly. Read from dynamo's cache (private: nothing where it is missing)."""
+    entries = _cache_entries()
+    if entries is None:  # dynamo never imported: nothing was compiled (and it is not imported here)
+        return []
+    limit = getattr(_dynamo_config(), "recompile_limit", None)
+    if not isinstance(limit, int):
+        return []
+    full = []
+    for code in codes:
+        try:
+            count = len(entries(code))
+        except Exception:
+            continue
+        if count >= limit:
+            name = getattr(code, "co_qualname", code.co_name)
+            if code.co_filename.endswith("external_utils.py"):  # what torch.compile(nn.Sequential(...)) compiles
+                name = "the compiled torch.nn model's forward (dynamo's wrap_inline)"
+                full.append((name, count, limit))
+                continue
+            full.append((f"{name} ({code.co_filename}:{code.co_firstlineno})", count, limit))
+    return full

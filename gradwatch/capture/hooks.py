@@ -39,6 +39,8 @@ class HookSet:
             self._handles.append(layer.module.register_forward_hook(tap))
         # Code compiled before now does not run the hooks: trace it again.
         self._model: weakref.ref | None = weakref.ref(model)
+        #: the code objects dynamo may compile for the model (read at flush: ``ModelWatch.check_recompile_limit``)
+        self.model_code = compiled.model_code(model)
         self.recompiled = compiled.forget_compiled_frames(model)
 
     def remove(self) -> None:

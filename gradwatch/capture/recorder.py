@@ -62,6 +62,7 @@ class Recorder:
         self.project_units = project_units
         self.cells.set_unit_sums(not project_units)
         self.plan = self.cells.plan
+        self.plan.every_step = bool(self.layout.planned_slots.all())  # detail="full"
         self.slot = 0
         self.update_steps: list[int] = []  # the optimizer step each update row describes
         #: the optimizer hooks measuring update_ratio into this buffer (``capture.updates.UpdateRatio``), or None

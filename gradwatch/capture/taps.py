@@ -11,8 +11,8 @@ and gives the same values in both.
 
 The forward check, the only work at every step, is one op per layer in eager mode: a layer's
 first call of a step writes its output's sum straight into its cell (``sum(..., out=)``; the
-tap knows it is the first from ``Plan.step``, a Python int compiled code never reads); later
-calls of the same step add to it. Inside compiled code it is a sum and an add, which the
+tap knows it is the first from ``RecordingFlags.step``, a Python int compiled code never reads);
+later calls of the same step add to it. Inside compiled code it is a sum and an add, which the
 compiler fuses into one kernel.
 
 What dynamo needs, each measured on torch 2.13 (tests/test_compile.py keeps them true):
@@ -30,14 +30,20 @@ What dynamo needs, each measured on torch 2.13 (tests/test_compile.py keeps them
   shape: an int constant that differs per layer (an offset, an index) makes every
   block of a regionally compiled model a new graph, and ``fullgraph=True`` then fails
   at the recompile limit.
-- The sampling flag (``Plan.sampling``) is a Python bool read in the tap: dynamo guards
-  on it, so the default's sampled and unsampled steps cost two graph variants, no more.
+- Whether the step is sampled is *data* inside compiled code, not a Python value dynamo
+  guards on (that made each compiled shape two graphs, sampled and unsampled, and static
+  shapes reached the recompile limit twice as fast). Forward: the order clock and the output
+  statistics are computed at every step and kept where the device's flag says so (they fuse
+  into the kernel that reads the output for the forward check). Backward: the hook is on every
+  step's output and computes its statistics in a branch the graph takes at run time on the
+  host's flag (``torch.cond`` on a CPU tensor: reading it never waits for the device); computing
+  them at every step and masking measured 1.13x on the compiled Transformer against 1.03x
+  (benchmarks/RESULTS.md). Eager taps read the Python bool and skip the work.
 - The tensor hook returns its gradient unchanged (returning None fails under compiled autograd).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +52,7 @@ import torch
 
 from .. import _compat, registry
 from .buffer import stat_dtype
+from .grad_statistics import GradStatistics
 from .layers import LayerSpec, grad_tensors
 from ..distributed.sharding import local_tensor
 
@@ -54,26 +61,48 @@ from ..distributed.sharding import local_tensor
 _PROJECTION_ROWS = 1 << 14
 #: The forward clock starts here and counts down: a layer's first call keeps the largest value.
 CLOCK_START = float(1 << 24)
-_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 _set_grad_enabled = torch._C._set_grad_enabled  # traceable, and cheaper than detach() per call
 
 
-class Plan:
+class RecordingFlags:
     """What the taps should do at the current step; one object shared by every tap.
 
     ``sampling``: record every statistic (output gradients, dead-unit evidence, the
-    forward order), not only the forward check. ``active``: False while paused. ``step``: the
+    forward order), not only the forward check. Eager taps read the Python bool; compiled taps
+    read its copy on their device (``device_flags``, written here only when the value changes:
+    one small fill per device, twice a window with the default). ``active``: False while paused
+    (a Python value compiled code guards on: pausing is one graph variant more). ``step``: the
     number of steps recorded so far.
     """
 
     def __init__(self) -> None:
-        self.sampling = True
+        self._sampling = True
+        #: (sampled as bool, sampled as 0/1 in the stat dtype) on each device that holds cells
+        self.device_flags: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: the same on the host (a CPU bool): what compiled taps branch on (``torch.cond``)
+        self.on_host = torch.ones((), dtype=torch.bool)
+        #: every step is sampled (``detail="full"``; fixed at attach): compiled taps need no flag
+        self.every_step = False
         self.active = True
         #: Counts recorded steps: a tap that last checked an output at an earlier count is at its
         #: step's first call (eager only; compiled code never reads it).
         self.step = 0
         #: Some tap failed since the last step (its ``failure`` says how); reported at step(), not in the hook.
         self.failed = False
+
+    @property
+    def sampling(self) -> bool:
+        return self._sampling
+
+    @sampling.setter
+    def sampling(self, value: bool) -> None:
+        value = bool(value)
+        if value != self._sampling:
+            self._sampling = value
+            self.on_host.fill_(value)
+            for sampled, count in self.device_flags:
+                sampled.fill_(value)
+                count.fill_(float(value))
 
 
 def _alias(storage: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -92,6 +121,8 @@ class DeviceCells:
     first_calls: torch.Tensor  # [n] first-call clock value of the step, in the stat dtype
     backward: torch.Tensor  # [sum of squares (n) | calls (n) | samples (n) | per-unit evidence (units)]
     clock: torch.Tensor  # [1], counts down at each sampled forward call
+    sampled: torch.Tensor  # [1] bool: whether this step is sampled, as compiled taps read it
+    sampled_count: torch.Tensor  # [1] the same as 1.0 or 0.0, in the stat dtype
     #: [n x K] the declared output statistics' accumulators of the step (registry/outputs.py), sampled steps
     outputs: torch.Tensor
     weights: torch.Tensor  # [_PROJECTION_ROWS] positive projection weights in [1, 2)
@@ -129,7 +160,7 @@ class Cells:
             by_device.setdefault(layer.params[0].device, []).append(i)
         self.devices: list[DeviceCells] = []
         self.taps: list[OutputTap] = []
-        self.plan = Plan()
+        self.plan = RecordingFlags()
         per_layer: dict[int, tuple[DeviceCells, int, int]] = {}
         for device, members in by_device.items():
             n = len(members)
@@ -143,10 +174,13 @@ class Cells:
                 first_calls=torch.zeros(n, dtype=dtype, device=device),
                 backward=torch.zeros(3 * n + sum(units), dtype=dtype, device=device),
                 clock=torch.full((1,), CLOCK_START, dtype=dtype, device=device),
+                sampled=torch.ones(1, dtype=torch.bool, device=device),
+                sampled_count=torch.ones(1, dtype=dtype, device=device),
                 outputs=torch.zeros(n * registry.accumulator_count(), dtype=dtype, device=device),
                 weights=torch.rand(_PROJECTION_ROWS, generator=generator).add_(1.0).to(device),
             )
             self.devices.append(cells)
+            self.plan.device_flags.append((cells.sampled, cells.sampled_count))
             offset = 3 * n
             for k, i in enumerate(members):
                 per_layer[i] = (cells, k, offset)
@@ -162,6 +196,8 @@ class Cells:
                     forward_sum=_alias(cells.sums, k, k + 1),
                     first_call=_alias(cells.first_calls, k, k + 1),
                     clock=cells.clock,
+                    sampled=cells.sampled,
+                    sampled_count=cells.sampled_count,
                     out_sq=_alias(cells.backward, k, k + 1),
                     calls=_alias(cells.backward, n + k, n + k + 1),
                     samples=_alias(cells.backward, 2 * n + k, 2 * n + k + 1),
@@ -178,13 +214,14 @@ class Cells:
         return sum(
             t.numel() * t.element_size()
             for cells in self.devices
-            for t in (cells.sums, cells.first_calls, cells.backward, cells.clock, cells.weights, cells.outputs)
+            for t in (cells.sums, cells.first_calls, cells.backward, cells.clock, cells.weights, cells.outputs,
+                      cells.sampled, cells.sampled_count)
         )
 
     def set_unit_sums(self, enabled: bool) -> None:
         """Per-unit sums of squares (for dead_eps > 0) instead of the random projection."""
         for tap in self.taps:
-            tap.unit_sums = enabled
+            tap.grad_stats.unit_sums = enabled
 
 
 class OutputTap:
@@ -195,31 +232,31 @@ class OutputTap:
     value that is the same for every layer of the same shape (see the module docstring).
     """
 
-    def __init__(self, layer: LayerSpec, plan: Plan, *, forward_sum: torch.Tensor, first_call: torch.Tensor,
-                 clock: torch.Tensor, out_sq: torch.Tensor, calls: torch.Tensor, samples: torch.Tensor,
-                 units: torch.Tensor, weights: torch.Tensor, output_stats: torch.Tensor | None = None,
+    def __init__(self, layer: LayerSpec, plan: RecordingFlags, *, forward_sum: torch.Tensor,
+                 first_call: torch.Tensor, clock: torch.Tensor, sampled: torch.Tensor, sampled_count: torch.Tensor,
+                 out_sq: torch.Tensor, calls: torch.Tensor, samples: torch.Tensor, units: torch.Tensor,
+                 weights: torch.Tensor, output_stats: torch.Tensor | None = None,
                  output_elements: torch.Tensor | None = None) -> None:  # fmt: skip
         self.plan = plan
         self.name = layer.name  # read on the failure path only
-        self.layer_units = int(layer.units)
-        self.channel_first = bool(layer.channel_first)
+        #: what each output gradient contributes (sum of squares, dead-unit evidence)
+        self.grad_stats = GradStatistics(layer.units, layer.channel_first, weights, out_sq.dtype)
         self.forward_sum = forward_sum
         # The same cell as a 0-d tensor: the out= of a one-op sum (eager; see record_output).
         self.step_sum = forward_sum.data.view(())
         self.checked_at = -1  # plan.step when this tap last checked an output (eager)
         self.first_call = first_call
         self.clock = clock
+        self.sampled = sampled
+        self.sampled_count = sampled_count
         self.out_sq = out_sq
         self.calls = calls
         self.samples = samples
         self.units = units
-        self.weights = weights
         self.output_stats = output_stats  # None: no output statistic is declared
         self.output_elements = output_elements
         # Taps that record the same output too (MultiheadAttention's out_proj): set by HookSet.
         self.also: tuple["OutputTap", ...] = ()
-        # Per-unit evidence as sums of squares (dead_eps > 0) instead of a random projection.
-        self.unit_sums = False
         self.failure: BaseException | None = None  # the latest failure inside this tap, until step()
 
     # ----------------------------------------------------------------- forward
@@ -229,7 +266,7 @@ class OutputTap:
         try:
             if torch.is_grad_enabled():
                 self._record_outputs(output)
-            elif self.plan.sampling and _compat.in_reentrant_checkpoint():
+            elif not torch.compiler.is_compiling() and self.plan.sampling and _compat.in_reentrant_checkpoint():
                 # Reentrant activation checkpointing runs its blocks' first forward without grad:
                 # that call marks the forward order, nothing else; their recomputation inside
                 # backward, with grad, records the rest but not the order. (Other calls without
@@ -262,7 +299,7 @@ class OutputTap:
         for tap in self.also:
             tap.record_output(tensors[0])
         for extra in tensors[1:]:  # e.g. an RNN's h_n: an output with the same units, when it has them
-            if extra.ndim and self.layer_units and extra.shape[self.unit_dim(extra.ndim)] == self.layer_units:
+            if extra.ndim and self.grad_stats.judged(extra):
                 self.record_output(extra)
 
     def failed(self, exc: BaseException) -> None:
@@ -277,6 +314,9 @@ class OutputTap:
         # mode off rather than detach(): one op fewer per call, and no autograd node.
         if out.device != self.forward_sum.device:
             return  # a replica on another device (nn.DataParallel): its cells are not there
+        if torch.compiler.is_compiling():
+            self._record_output_traced(out)
+            return
         plan = self.plan
         sampling = plan.sampling
         _set_grad_enabled(False)
@@ -295,14 +335,41 @@ class OutputTap:
         if sampling and out.requires_grad:
             out.register_hook(self.on_output_grad)
 
-    def _check_forward(self, out: torch.Tensor, plan: Plan) -> None:
-        """Add the output's sum to the step's cell: one op at a layer's first call of a step in eager
-        mode (a sum written straight into the cell, which the step's copy zeroed: the output is
-        non-finite exactly when the sum is, or when it overflows float32, as alarming), two for
-        the calls after it and inside compiled code (a sum, then an add, which the compiler fuses)."""
-        if torch.compiler.is_compiling():
-            self.forward_sum.add_(out.sum(dtype=torch.float32))
-        elif self.checked_at != plan.step:
+    def _record_output_traced(self, out: torch.Tensor) -> None:
+        """``record_output`` inside compiled code: every step's graph is the sampled one, and what
+        only sampled steps record is kept where this device's flag says so (see the module
+        docstring). The sums fuse into the kernel that reads the output for the forward check."""
+        local = local_tensor(out)
+        if self.plan.every_step:  # detail="full": a constant for the compiled code, no flag to read
+            with torch.no_grad():
+                self.forward_sum.add_(local.sum(dtype=torch.float32))
+                self._advance_clock()
+                if self.output_stats is not None:
+                    self.output_stats.add_(registry.accumulate_all(local, self.output_stats.dtype))
+                    self.output_elements.add_(local.numel())
+            if out.requires_grad:
+                out.register_hook(self.on_output_grad)
+            return
+        with torch.no_grad():
+            self.forward_sum.add_(local.sum(dtype=torch.float32))
+            count = self.sampled_count
+            # The clock is finite and non-negative, so a product keeps it or makes it 0, which
+            # the first-call cell (zeroed at sampled steps, never negative) ignores.
+            self.first_call.clamp_min_(self.clock * count)
+            self.clock.sub_(count)
+            if self.output_stats is not None:
+                values = registry.accumulate_all(local, self.output_stats.dtype)
+                self.output_stats.add_(torch.where(self.sampled, values, 0.0))
+                self.output_elements.add_(count * local.numel())
+        if out.requires_grad:
+            out.register_hook(self.on_output_grad)
+
+    def _check_forward(self, out: torch.Tensor, plan: RecordingFlags) -> None:
+        """Add the output's sum to the step's cell (eager): one op at a layer's first call of a step (a
+        sum written straight into the cell, which the step's copy zeroed: the output is non-finite
+        exactly when the sum is, or when it overflows float32, as alarming), two for the calls after
+        it (compiled code: a sum and an add, which the compiler fuses; ``_record_output_traced``)."""
+        if self.checked_at != plan.step:
             self.checked_at = plan.step
             torch.sum(out, dim=None, dtype=torch.float32, out=self.step_sum)
         else:
@@ -320,9 +387,6 @@ class OutputTap:
     def __reduce__(self) -> tuple:
         return (_inert, ())
 
-    def unit_dim(self, ndim: int) -> int:
-        return 1 if self.channel_first and ndim >= 2 else ndim - 1
-
     # ---------------------------------------------------------------- backward
     def on_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """Tensor hook on the output: sum of squares (float64), calls and dead-unit evidence."""
@@ -337,47 +401,35 @@ class OutputTap:
         return grad
 
     def _record_grad(self, g: torch.Tensor) -> None:
-        """Sum of squares, exact at any magnitude: norms of rows accumulated in float64 (on the CPU a
-        float64 reduction over rows costs a third of one over the whole tensor), then their squares
-        summed; the rows are also what the dead-unit evidence is made of."""
-        acc = self.out_sq.dtype
-        self.calls.add_(1.0)
-        ndim = g.ndim
-        dim = self.unit_dim(ndim) if ndim else 0
-        judged = ndim > 0 and self.layer_units > 0 and g.shape[dim] == self.layer_units
-        if ndim >= 3 and dim == 1:
-            # (N, C, *spatial): one norm per (sample, channel) over positions, in any layout.
-            rows = torch.linalg.vector_norm(g, 2, dim=tuple(range(2, ndim)), dtype=acc)
-            self.out_sq.add_(rows.square().sum())
-            if judged:
-                # Per channel over samples and positions. The samples are the N examples, not
-                # N x positions: neighbouring positions of one image are not independent evidence.
-                evidence = torch.linalg.vector_norm(rows, 2, dim=0)
-                self.units.addcmul_(evidence, evidence)
-                self.samples.add_(float(g.shape[0]))
+        """Fold one output gradient into the step's cells (eager hooks run on sampled steps only)."""
+        if torch.compiler.is_compiling() and not self.plan.every_step:
+            self._record_grad_traced(g)
             return
-        # (*, U): every leading index is a row (a sample, or a token of one).
-        rows = g if ndim == 2 else g.reshape(-1, g.shape[-1]) if ndim > 2 else g.reshape(1, -1)
-        row_norms = torch.linalg.vector_norm(rows, 2, dim=1, dtype=acc)
-        self.out_sq.add_(torch.dot(row_norms, row_norms))
-        if not judged:
-            return  # units unknown, or an output without the declared units: no dead-unit evidence
-        if rows.dtype not in (torch.float32, torch.float64):
-            rows = rows.float()  # half-precision squares overflow
-        n = rows.shape[0]
-        if self.unit_sums:  # dead_eps > 0: per-unit norms, compared with dead_eps
-            evidence = torch.linalg.vector_norm(rows, 2, dim=0)
-        else:
-            # Projection on fixed positive weights (one matrix-vector product): zero for a unit
-            # whose gradient is zero for every row, and (but for an exact cancellation against
-            # random weights) not otherwise. Squared when added, so that calls never cancel.
-            weights = self.weights[:n] if n <= self.weights.shape[0] else _generated_weights(n, rows.device)
-            if weights.dtype != rows.dtype:
-                weights = weights.to(rows.dtype)
-            evidence = torch.mv(rows.t(), weights)
-        self.units.addcmul_(evidence, evidence)
-        self.samples.add_(float(n))
+        sq, evidence, samples = self.grad_stats.of(g)
+        self.calls.add_(1.0)
+        self.out_sq.add_(sq)
+        if evidence is not None:
+            self.units.addcmul_(evidence, evidence)
+            self.samples.add_(samples)
 
+    def _record_grad_traced(self, g: torch.Tensor) -> None:
+        """``_record_grad`` inside compiled code: the statistics are computed on sampled steps only,
+        by a branch the graph takes at run time on the host's flag (``torch.cond``; a CPU tensor, so
+        reading it never waits for the device), and added to the cells as deltas (a branch of
+        ``torch.cond`` may not write its inputs)."""
+        count, stats = self.sampled_count, self.grad_stats
+        self.calls.add_(count)
+        if _compat.in_compiled_autograd():
+            # Compiled autograd traces this hook into its own graph, where torch.cond fails: computed
+            # at every step, kept where this device's flag says so (a non-finite value cannot leak).
+            sq, evidence = stats.deltas(g)
+            sq, evidence = torch.where(self.sampled, sq, 0.0), torch.where(self.sampled, evidence, 0.0)
+        else:
+            sq, evidence = torch.cond(self.plan.on_host, stats.deltas, stats.no_deltas, (g,))
+        self.out_sq.add_(sq)
+        if stats.judged(g):
+            self.units.add_(evidence)
+            self.samples.add_(count * stats.samples(g))
 
 def inert_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
     """What a copied or unpickled model keeps of gradwatch's forward hook: nothing."""
@@ -388,6 +440,3 @@ def _inert() -> Any:
     return inert_hook
 
 
-def _generated_weights(n: int, device: torch.device) -> torch.Tensor:
-    """Deterministic weights in [1, 2) for more rows than the drawn ones cover (the golden-ratio sequence)."""
-    return torch.arange(n, dtype=torch.float32, device=device).mul_(_GOLDEN).frac_().add_(1.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from .. import _compat
 from .freshness import BackwardWitness
 from .layers import LayerSpec
 
@@ -30,6 +31,8 @@ class ModelWatch:
         self.stopped = False  # the model moved or its parameters were replaced: resume() does not undo it
         self._warned: set[str] = set()  # the one-time messages already said
         self.optimizer_steps_seen = 0
+        #: the code objects dynamo may compile for the model (``_compat.model_code``), set when the hooks go on
+        self.model_code: list = []
 
     def stop_recording(self, reason: str) -> None:
         """Stop recording for good, and say why once, as an ERROR."""
@@ -71,6 +74,7 @@ class ModelWatch:
 
     def drop_references(self) -> None:
         self.frozen = []
+        self.model_code = []
         self.backward.drop_references()
 
     def repeats_last_step(self) -> bool:
@@ -99,6 +103,25 @@ class ModelWatch:
                 "compiled before the monitor attached runs without its hooks: create the monitor before "
                 "compiling (or before the first compiled call), or call torch.compiler.reset() after creating it",
                 window.steps[0], window.steps[-1],
+            )  # fmt: skip
+
+    def check_recompile_limit(self) -> None:
+        """Once per flush until said: a function of the model that dynamo stopped compiling (its
+        recompile limit reached) runs eagerly for every call that matches none of its compiled
+        variants; said once, as a WARNING, with the function and what usually causes it."""
+        if "recompile_limit" in self._warned or not self.model_code:
+            return
+        full = _compat.at_recompile_limit(self.model_code)
+        if full and self._once("recompile_limit"):
+            name, count, limit = full[0]
+            log.warning(
+                "gradwatch: torch.compile reached its recompile limit for %s (%d compiled variants, "
+                "torch._dynamo.config.recompile_limit = %d): calls that match none of them now run eagerly, "
+                "slower than compiled (gradwatch still records them, with the same values). gradwatch adds no "
+                "variant of its own (whether a step is sampled is data the compiled graph reads); see what "
+                "does with TORCH_LOGS=recompiles. Batch or sequence sizes that change: torch.compile(..., "
+                "dynamic=True) or torch._dynamo.mark_dynamic(tensor, dim)",
+                name, count, limit,
             )  # fmt: skip
 
     def check_gradients_arrived(self, window: Any) -> None:

@@ -1,0 +1,104 @@
+"""What one output gradient contributes: its sum of squares and its dead-unit evidence.
+
+Used by the layer's tensor hook (``taps.OutputTap``), eagerly and inside compiled code, so every
+function here is traceable: tensor ops and facts fixed at attach (the layer's units and where
+they are), nothing else. Inside compiled code the hook computes these in one branch of
+``torch.cond`` on sampled steps (:meth:`GradStatistics.deltas`) and zeros of the same shapes in
+the other (:meth:`GradStatistics.no_deltas`). The branches read no cell of the step: cells are
+aliases of one storage, and ``torch.cond`` refuses a branch whose inputs alias each other ("might
+be aliasing the input"); nor may a branch write its inputs. So they return deltas computed from
+the gradient alone, which the hook adds to its cells.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
+
+
+class GradStatistics:
+    """The statistics of one layer's output gradients.
+
+    Args:
+        units: the layer's declared units (0: unknown; then no dead-unit evidence).
+        channel_first: the units are dimension 1 of a (N, C, *spatial) output (convolutions).
+        weights: fixed positive projection weights in [1, 2), shared by the layers of a device.
+        dtype: the cells' dtype (float64 where the device has it).
+    """
+
+    def __init__(self, units: int, channel_first: bool, weights: torch.Tensor, dtype: torch.dtype) -> None:
+        self.units = int(units)
+        self.channel_first = bool(channel_first)
+        self.weights = weights
+        self.dtype = dtype
+        #: per-unit sums of squares (``dead_eps > 0``) instead of the random projection
+        self.unit_sums = False
+
+    def unit_dim(self, ndim: int) -> int:
+        return 1 if self.channel_first and ndim >= 2 else ndim - 1
+
+    def judged(self, g: torch.Tensor) -> bool:
+        """Whether ``g`` has the layer's declared units where they belong (then it is dead-unit evidence)."""
+        ndim = g.ndim
+        return ndim > 0 and self.units > 0 and g.shape[self.unit_dim(ndim)] == self.units
+
+    def samples(self, g: torch.Tensor) -> int:
+        """The samples behind ``g``'s dead-unit evidence: the N of (N, C, *spatial), else every row of (*, U)."""
+        ndim = g.ndim
+        if ndim >= 3 and self.unit_dim(ndim) == 1:
+            return g.shape[0]
+        return g.numel() // g.shape[-1] if ndim >= 2 else 1
+
+    def deltas(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a sampled step adds to (sum of squares [1], per-unit evidence [units or 0]), in the cells' dtype."""
+        sq, evidence, _ = self.of(g)
+        units = evidence.square().to(self.dtype) if evidence is not None else g.new_zeros(0, dtype=self.dtype)
+        return sq.to(self.dtype).reshape(1), units
+
+    def no_deltas(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What an unsampled step adds: zeros of the shapes of :meth:`deltas`."""
+        return g.new_zeros(1, dtype=self.dtype), g.new_zeros(self.units if self.judged(g) else 0, dtype=self.dtype)
+
+    def of(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        """(sum of squares, per-unit evidence or None, the samples behind it) of one output gradient.
+
+        The sum of squares is exact at any magnitude: norms of rows accumulated in float64 (on the
+        CPU a float64 reduction over rows costs a third of one over the whole tensor), then their
+        squares summed; the rows are also what the dead-unit evidence is made of."""
+        acc = self.dtype
+        ndim = g.ndim
+        judged = self.judged(g)
+        if ndim >= 3 and self.unit_dim(ndim) == 1:
+            # (N, C, *spatial): one norm per (sample, channel) over positions, in any layout.
+            rows = torch.linalg.vector_norm(g, 2, dim=tuple(range(2, ndim)), dtype=acc)
+            if not judged:
+                return rows.square().sum(), None, 0.0
+            # Per channel over samples and positions. The samples are the N examples, not
+            # N x positions: neighbouring positions of one image are not independent evidence.
+            return rows.square().sum(), torch.linalg.vector_norm(rows, 2, dim=0), float(g.shape[0])
+        # (*, U): every leading index is a row (a sample, or a token of one).
+        rows = g if ndim == 2 else g.reshape(-1, g.shape[-1]) if ndim > 2 else g.reshape(1, -1)
+        row_norms = torch.linalg.vector_norm(rows, 2, dim=1, dtype=acc)
+        sq = torch.dot(row_norms, row_norms)
+        if not judged:
+            return sq, None, 0.0  # units unknown, or an output without the declared units
+        if rows.dtype not in (torch.float32, torch.float64):
+            rows = rows.float()  # half-precision squares overflow
+        n = rows.shape[0]
+        if self.unit_sums:  # dead_eps > 0: per-unit norms, compared with dead_eps
+            return sq, torch.linalg.vector_norm(rows, 2, dim=0), float(n)
+        # Projection on fixed positive weights (one matrix-vector product): zero for a unit
+        # whose gradient is zero for every row, and (but for an exact cancellation against
+        # random weights) not otherwise. Squared when added, so that calls never cancel.
+        weights = self.weights[:n] if n <= self.weights.shape[0] else generated_weights(n, rows.device)
+        if weights.dtype != rows.dtype:
+            weights = weights.to(rows.dtype)
+        return sq, torch.mv(rows.t(), weights), float(n)
+
+
+def generated_weights(n: int, device: torch.device) -> torch.Tensor:
+    """Deterministic weights in [1, 2) for more rows than the drawn ones cover (the golden-ratio sequence)."""
+    return torch.arange(n, dtype=torch.float32, device=device).mul_(_GOLDEN).frac_().add_(1.0)
