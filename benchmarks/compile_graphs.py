@@ -97,13 +97,21 @@ class _LimitHits(logging.Handler):
             self.hits += 1
 
 
-def run(build: Case, monitored: bool, steps: int = 12, dynamic: bool | None = None) -> dict[str, object]:
+def resnet18():
+    """ResNet-18 as torchvision lays it out (benchmarks/workloads.py: BatchNorm, in-place ReLU, residual adds)."""
+    from benchmarks.workloads import resnet18_model
+
+    return resnet18_model(classes=10), lambda: torch.randn(2, 3, 32, 32), lambda out, x: out.square().mean()
+
+
+def run(build: Case, monitored: bool, steps: int = 12, dynamic: bool | None = None,
+        fullgraph: bool = False) -> dict[str, object]:  # fmt: skip
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
     model, batch, loss_of = build()
     monitor = GradMonitor(model, flush_every=6) if monitored else None
-    compiled = torch.compile(model, backend="aot_eager", dynamic=dynamic)
+    compiled = torch.compile(model, backend="aot_eager", dynamic=dynamic, fullgraph=fullgraph)
     limit = _LimitHits()
     logging.getLogger("torch._dynamo").addHandler(limit)
     try:
@@ -113,6 +121,12 @@ def run(build: Case, monitored: bool, steps: int = 12, dynamic: bool | None = No
             if monitor is not None:
                 monitor.step()
             model.zero_grad()
+    except Exception as exc:  # fullgraph=True refused: say so in the table
+        if not fullgraph:
+            raise
+        if monitor is not None:
+            monitor.close()
+        return {"graphs": f"fails ({type(exc).__name__})", "breaks": "-", "limit": limit.hits}
     finally:
         logging.getLogger("torch._dynamo").removeHandler(limit)
     result: dict[str, object] = {"graphs": counters["stats"]["unique_graphs"],
@@ -147,6 +161,12 @@ def hf_trainer(monitored: bool) -> dict[str, object]:
 
 CASES: dict[str, Callable[[bool], dict[str, object]]] = {
     "nn.TransformerEncoder": lambda m: run(transformer_encoder, m),
+    "nn.TransformerEncoder, fullgraph=True": lambda m: run(transformer_encoder, m, fullgraph=True),
+    "ResNet-18 (torchvision's layout)": lambda m: run(resnet18, m),
+    "ResNet-18, fullgraph=True": lambda m: run(resnet18, m, fullgraph=True),
+    "GPT-2 (tiny), use_cache=False, fullgraph=True": lambda m: run(gpt2(False), m, fullgraph=True),
+    "Llama (tiny), use_cache=False, fullgraph=True": lambda m: run(llama(False), m, fullgraph=True),
+    "GPT-2 (tiny), use_cache=True, fullgraph=True": lambda m: run(gpt2(True), m, fullgraph=True),
     "Llama (tiny), use_cache=False": lambda m: run(llama(False), m),
     "Llama (tiny), use_cache=True": lambda m: run(llama(True), m),
     "GPT-2 (tiny), use_cache=False": lambda m: run(gpt2(False), m),

@@ -151,6 +151,7 @@ class Recorder:
             self.slot = slot + 1
             plan.step += 1
             plan.sampling = self.layout.is_sampled(self.slot)
+            plan.follow_cache_config()
 
     def _report_tap_failure(self) -> None:
         if not self.plan.failed:
@@ -250,6 +251,7 @@ class Recorder:
         """Forget the model (close()): the taps stop, the optimizer hooks go, the parameters are dropped."""
         self.replace_updates(None)
         self.plan.active = False
+        self.plan.cache_config = None
         self.discard_pending()
         self.param_stats.drop_references()
 

@@ -83,6 +83,13 @@ class RecordingFlags:
         self.on_host = torch.ones((), dtype=torch.bool)
         #: every step is sampled (``detail="full"``; fixed at attach): compiled taps need no flag
         self.every_step = False
+        #: the model's configuration when it has a KV-cache switch (``config.use_cache``, Hugging Face)
+        self.cache_config: Any = None
+        #: compiled taps put their hook on outputs: False while the model's KV cache is on (see
+        #: ``follow_cache_config``); a Python value compiled code guards on, read back at every step
+        self.grad_hooks_when_compiled = True
+        #: a step was recorded with that hook left out since the flag was last read (at a flush)
+        self.hooks_left_out = False
         self.active = True
         #: Counts recorded steps: a tap that last checked an output at an earlier count is at its
         #: step's first call (eager only; compiled code never reads it).
@@ -93,6 +100,15 @@ class RecordingFlags:
     @property
     def sampling(self) -> bool:
         return self._sampling
+
+    def follow_cache_config(self) -> None:
+        """Compiled taps leave out the output-gradient hook while the model's KV cache is on. A
+        tensor hook registered in a frame that also builds a ``DynamicCache`` trips a dynamo bug
+        (docs/reference.md, "Compiled models"): dynamo drops the whole-model graph (8 graphs for 1
+        on a tiny GPT-2) and ``fullgraph=True`` fails. Read at attach and at every step (one getattr)."""
+        if self.cache_config is not None:
+            self.hooks_left_out |= not self.grad_hooks_when_compiled  # the step just recorded
+            self.grad_hooks_when_compiled = not bool(getattr(self.cache_config, "use_cache", False))
 
     @sampling.setter
     def sampling(self, value: bool) -> None:
@@ -347,7 +363,7 @@ class OutputTap:
                 if self.output_stats is not None:
                     self.output_stats.add_(registry.accumulate_all(local, self.output_stats.dtype))
                     self.output_elements.add_(local.numel())
-            if out.requires_grad:
+            if out.requires_grad and self.plan.grad_hooks_when_compiled:
                 out.register_hook(self.on_output_grad)
             return
         with torch.no_grad():
@@ -361,7 +377,7 @@ class OutputTap:
                 values = registry.accumulate_all(local, self.output_stats.dtype)
                 self.output_stats.add_(torch.where(self.sampled, values, 0.0))
                 self.output_elements.add_(count * local.numel())
-        if out.requires_grad:
+        if out.requires_grad and self.plan.grad_hooks_when_compiled:
             out.register_hook(self.on_output_grad)
 
     def _check_forward(self, out: torch.Tensor, plan: RecordingFlags) -> None:

@@ -124,6 +124,25 @@ class ModelWatch:
                 name, count, limit,
             )  # fmt: skip
 
+    def check_cache_left_out_hooks(self, window: Any) -> None:
+        """Warn once when compiled code recorded no output gradient because the model's KV cache was
+        on (``RecordingFlags.follow_cache_config``): steps of the window ran with the hook left out,
+        and no layer's output gradient was seen (eager steps record them with the cache on)."""
+        plan = self.recorder.plan
+        left_out, plan.hooks_left_out = plan.hooks_left_out, False
+        if "cache" in self._warned or not left_out or not window.sampled.any():
+            return
+        if not window.out_seen.any() and window.has_grad.any() and self._once("cache"):
+            log.warning(
+                "gradwatch: steps %d-%d ran compiled with the model's KV cache on (config.use_cache=True), so "
+                "out_grad_norm and dead units are not recorded: a tensor hook beside the cache trips a dynamo bug "
+                "that drops the whole-model graph (and fails fullgraph=True), so compiled code runs without it. "
+                "A training step does not use the cache: set model.config.use_cache = False (the Hugging Face "
+                "Trainer does by default) and every statistic is recorded, with the same graphs as without "
+                "gradwatch. Parameter-gradient statistics and the forward checks are recorded either way.",
+                window.steps[0], window.steps[-1],
+            )  # fmt: skip
+
     def check_gradients_arrived(self, window: Any) -> None:
         """Warn once when backward reached the layers (their output gradients were seen) but no
         parameter had a ``.grad`` at any ``step()`` of the window: something takes the gradients

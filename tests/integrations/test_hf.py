@@ -140,6 +140,43 @@ def test_compiling_with_the_kv_cache_on_says_so_once_with_the_remedy(tmp_path, c
         assert len(messages) == said and all("model.config.use_cache = False" in m for m in messages)
 
 
+def test_a_model_compiled_fullgraph_with_the_kv_cache_on_trains_and_says_what_it_leaves_out(caplog):
+    # With use_cache=True an output-gradient hook in the compiled frame trips a dynamo bug that fails
+    # fullgraph=True (docs/reference.md): compiled taps leave that hook out while the cache is on,
+    # say so once at the flush, and record it again once the cache is off (one recompile).
+    import numpy as np
+
+    from gradwatch import GradMonitor
+
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2, use_cache=True)
+    model = transformers.GPT2LMHeadModel(config)
+    monitor = GradMonitor(model, flush_every=3)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)  # the bug is dynamo's: no AOT needed
+    windows = []
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        for step in range(6):
+            ids = torch.randint(0, 64, (2, 8))
+            logits = compiled(ids).logits  # fullgraph: a graph break would raise here
+            torch.nn.functional.cross_entropy(logits.reshape(-1, 64), ids.reshape(-1)).backward()
+            model.config.use_cache = step < 2  # off from step 3 on
+            monitor.step()  # reads use_cache for the next step
+            model.zero_grad()
+            if step in (2, 5):
+                windows.append(monitor.last_window)
+    monitor.close()
+    cached, uncached = windows
+    assert np.isfinite(cached.grad_norm).all() and np.isnan(cached.out_grad_norm).all()
+    assert np.isfinite(uncached.out_grad_norm[:2]).all()  # steps 3 and 4, sampled
+    said = [r.getMessage() for r in caplog.records if "KV cache on" in r.getMessage()]
+    assert len(said) == 1 and "model.config.use_cache = False" in said[0]
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+    torch._dynamo.reset()
+
+
 def test_gradient_accumulation_gives_one_record_per_optimizer_step(tmp_path):
     watch = GradWatchCallback(flush_every=5)
     trainer, _ = _train(tmp_path, [watch], max_grad_norm=1.0, accumulation=2, steps=5)
