@@ -147,46 +147,35 @@ def resnet18(batch: int = 32, size: int = 64) -> Workload:
     return Workload(f"resnet18-{size}px-b{batch}", resnet18_model, make_batch, nn.functional.cross_entropy)
 
 
-def gpt2_small(batch: int = 4, seq: int = 128) -> Workload:
-    """A small GPT-2 from transformers' config (6 layers, d_model 384, 6 heads; tied embeddings)."""
+def _gpt2(name: str, layers: int, width: int, heads: int, vocab: int, batch: int, seq: int, **config) -> Workload:
+    """A GPT-2 built from transformers' config (random weights, tied embeddings), next-token loss."""
 
     def make_model() -> nn.Module:
         import transformers
 
-        config = transformers.GPT2Config(vocab_size=8192, n_positions=seq, n_embd=384, n_layer=6, n_head=6,
-                                         bos_token_id=0, eos_token_id=0)  # fmt: skip
-        return _LogitsOnly(transformers.GPT2LMHeadModel(config))
+        gpt2 = transformers.GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=width, n_layer=layers, n_head=heads,
+                                       bos_token_id=0, eos_token_id=0, **config)  # fmt: skip
+        return _LogitsOnly(transformers.GPT2LMHeadModel(gpt2))
 
     def make_batch(device: torch.device):
-        ids = torch.randint(0, 8192, (batch, seq), device=device)
+        ids = torch.randint(0, vocab, (batch, seq), device=device)
         return ids, ids
 
     def loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
-    return Workload(f"gpt2-6x384-b{batch}x{seq}", make_model, make_batch, loss)
+    return Workload(name, make_model, make_batch, loss)
+
+
+def gpt2_small(batch: int = 4, seq: int = 128) -> Workload:
+    """A small GPT-2 (6 layers, d_model 384, 6 heads)."""
+    return _gpt2(f"gpt2-6x384-b{batch}x{seq}", 6, 384, 6, 8192, batch, seq)
 
 
 def gpt2_tiny(batch: int = 8, seq: int = 128) -> Workload:
-    """A tiny GPT-2 from transformers' config (2 layers, d_model 128, 4 heads), for compiled runs:
-    ``use_cache=False``, as the Hugging Face Trainer sets it for training (docs/reference.md,
-    "Compiled models", says why it matters under torch.compile)."""
-
-    def make_model() -> nn.Module:
-        import transformers
-
-        config = transformers.GPT2Config(vocab_size=2048, n_positions=seq, n_embd=128, n_layer=2, n_head=4,
-                                         bos_token_id=0, eos_token_id=0, use_cache=False)  # fmt: skip
-        return _LogitsOnly(transformers.GPT2LMHeadModel(config))
-
-    def make_batch(device: torch.device):
-        ids = torch.randint(0, 2048, (batch, seq), device=device)
-        return ids, ids
-
-    def loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-
-    return Workload(f"gpt2-2x128-b{batch}x{seq}", make_model, make_batch, loss)
+    """A tiny GPT-2 (2 layers, d_model 128, 4 heads), for compiled runs: ``use_cache=False``, as the
+    Hugging Face Trainer sets it for training (docs/reference.md, "Compiled models", says why)."""
+    return _gpt2(f"gpt2-2x128-b{batch}x{seq}", 2, 128, 4, 2048, batch, seq, use_cache=False)
 
 
 def vit_tiny(batch: int = 8, size: int = 224) -> Workload:
