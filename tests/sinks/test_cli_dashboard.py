@@ -102,44 +102,10 @@ def test_console_script_and_module_entry_point(tmp_path, capsys):
         assert subprocess.run([script, "report", str(tmp_path)], capture_output=True).returncode == 0
 
 
-def test_tensorboard_server_serves_scalars_layout_and_images(demo_runs):
-    logdir = demo_runs["dead"][0]
-    server = TensorBoardServer(logdir)
-    base = server.base
-    try:
-        scalar_tags = server.wait_for("scalars", "gradwatch/grad_norm/0")
-        tags = set().union(*[set(t) for t in scalar_tags.values()]) if scalar_tags else set()
-        for expected in ("gradwatch/grad_norm/0", "gradwatch/out_grad_norm/6", "gradwatch/dead_fraction/0",
-                         "gradwatch/global/grad_norm", "gradwatch/global/alerts"):  # fmt: skip
-            assert expected in tags
-        run = next(r for r, t in scalar_tags.items() if "gradwatch/grad_norm/0" in t)
-        series = get_json(f"{base}/scalars/scalars?run={urllib.request.quote(run)}&tag=gradwatch/grad_norm/0")
-        assert [point[1] for point in series] == list(range(DEMO_STEPS))
-
-        layout = get_json(f"{base}/custom_scalars/layout")
-        charts = {c["title"]: c for cat in layout["category"] for c in cat["chart"]}
-        assert "grad_norm" in charts and "dead_fraction" in charts and "alerts" in charts
-        assert charts["grad_norm"]["multiline"]["tag"] == ["^gradwatch/grad_norm/.*"]
-
-        images = get_json(f"{base}/images/tags")
-        image_run = next(r for r, t in images.items() if "gradwatch/gradient_flow" in t)
-        entries = get_json(f"{base}/images/images?run={urllib.request.quote(image_run)}&tag=gradwatch/gradient_flow")
-        assert entries
-        with urllib.request.urlopen(f"{base}/images/individualImage?{entries[-1]['query']}", timeout=10) as r:
-            assert r.read(8) == b"\x89PNG\r\n\x1a\n"
-        texts = get_json(f"{base}/text/tags")
-        assert any(any(t.startswith("gradwatch/alerts") for t in tags) for tags in texts.values())
-        assert "gradwatch/log10_grad_rms/0" in tags  # the log-scale magnitude series, the dead layer too
-        floor = get_json(f"{base}/scalars/scalars?run={urllib.request.quote(run)}&tag=gradwatch/log10_grad_rms/0")
-        assert {point[2] for point in floor} == {-30.0}  # a zero gradient drawn at the floor
-        first = layout["category"][0]["chart"][0]
-        assert "log10" in first["title"] and first["multiline"]["tag"] == ["^gradwatch/log10_grad_rms/.*"]
-    finally:
-        server.close()
-
-
-def test_every_alert_of_a_flush_is_visible_with_tensorboards_default_loader(tmp_path):
-    """TensorBoard keeps one text per tag and step: all alerts of a flush must be in that one."""
+@pytest.fixture(scope="module")
+def dead_demo_served(demo_runs):
+    """The dead-units demo and, in a folder inside it, a three-branch model whose three dead layers
+    alert at one flush, under one real TensorBoard server (starting one costs seconds)."""
     import torch
     from torch import nn
 
@@ -157,25 +123,64 @@ def test_every_alert_of_a_flush_is_visible_with_tensorboards_default_loader(tmp_
         def forward(self, x):
             return sum(out(torch.relu(dead(x))) for dead, out in zip(self.dead, self.out))
 
+    logdir = demo_runs["dead"][0]
     model = ThreeBranches()
-    with GradMonitor(model, logdir=str(tmp_path), flush_every=5) as monitor:
+    with GradMonitor(model, logdir=os.path.join(logdir, "three_branches"), flush_every=5) as monitor:
         for _ in range(10):  # every unit dead on the sampled steps of 0-4: conclusive, all three at one flush
             model(torch.randn(32, 16)).sum().backward()
             monitor.step()
             model.zero_grad()
-    dead_alerts = [a for a in monitor.alerts if a.kind == "dead_units"]
-    assert sorted(a.layer for a in dead_alerts) == ["dead.0", "dead.1", "dead.2"] and {a.step for a in dead_alerts} == {4}
-    server = TensorBoardServer(str(tmp_path))
+    server = TensorBoardServer(logdir)
     try:
-        texts = server.wait_for("text", "gradwatch/alerts/text_summary")
-        run = next(r for r, tags in texts.items() if "gradwatch/alerts/text_summary" in tags)
-        shown = server.get(f"text/text?run={urllib.request.quote(run)}&tag=gradwatch/alerts/text_summary")
-        html = " ".join(entry["text"] for entry in shown)
-        for layer in ("dead.0", "dead.1", "dead.2"):
-            assert f"<td>{layer}</td>" in html, html[:2000]
-        assert "gradwatch-alerts-json" not in html  # the machine-readable copy is not shown
+        yield server, monitor.alerts
     finally:
         server.close()
+
+
+def test_tensorboard_server_serves_scalars_layout_and_images(dead_demo_served):
+    server, _ = dead_demo_served
+    base = server.base
+    scalar_tags = server.wait_for("scalars", "gradwatch/grad_norm/0")
+    tags = set().union(*[set(t) for t in scalar_tags.values()]) if scalar_tags else set()
+    for expected in ("gradwatch/grad_norm/0", "gradwatch/out_grad_norm/6", "gradwatch/dead_fraction/0",
+                     "gradwatch/global/grad_norm", "gradwatch/global/alerts"):  # fmt: skip
+        assert expected in tags
+    run = next(r for r, t in scalar_tags.items() if "gradwatch/grad_norm/0" in t)
+    series = get_json(f"{base}/scalars/scalars?run={urllib.request.quote(run)}&tag=gradwatch/grad_norm/0")
+    assert [point[1] for point in series] == list(range(DEMO_STEPS))
+
+    layout = get_json(f"{base}/custom_scalars/layout")
+    charts = {c["title"]: c for cat in layout["category"] for c in cat["chart"]}
+    assert "grad_norm" in charts and "dead_fraction" in charts and "alerts" in charts
+    assert charts["grad_norm"]["multiline"]["tag"] == ["^gradwatch/grad_norm/.*"]
+
+    images = get_json(f"{base}/images/tags")
+    image_run = next(r for r, t in images.items() if "gradwatch/gradient_flow" in t)
+    entries = get_json(f"{base}/images/images?run={urllib.request.quote(image_run)}&tag=gradwatch/gradient_flow")
+    assert entries
+    with urllib.request.urlopen(f"{base}/images/individualImage?{entries[-1]['query']}", timeout=10) as r:
+        assert r.read(8) == b"\x89PNG\r\n\x1a\n"
+    texts = get_json(f"{base}/text/tags")
+    assert any(any(t.startswith("gradwatch/alerts") for t in tags) for tags in texts.values())
+    assert "gradwatch/log10_grad_rms/0" in tags  # the log-scale magnitude series, the dead layer too
+    floor = get_json(f"{base}/scalars/scalars?run={urllib.request.quote(run)}&tag=gradwatch/log10_grad_rms/0")
+    assert {point[2] for point in floor} == {-30.0}  # a zero gradient drawn at the floor
+    first = layout["category"][0]["chart"][0]
+    assert "log10" in first["title"] and first["multiline"]["tag"] == ["^gradwatch/log10_grad_rms/.*"]
+
+
+def test_every_alert_of_a_flush_is_visible_with_tensorboards_default_loader(dead_demo_served):
+    """TensorBoard keeps one text per tag and step: all alerts of a flush must be in that one."""
+    server, alerts = dead_demo_served
+    dead_alerts = [a for a in alerts if a.kind == "dead_units"]
+    assert sorted(a.layer for a in dead_alerts) == ["dead.0", "dead.1", "dead.2"] and {a.step for a in dead_alerts} == {4}
+    texts = server.wait_for("text", "gradwatch/alerts/text_summary")
+    run = next(r for r, tags in texts.items() if "three_branches" in r and "gradwatch/alerts/text_summary" in tags)
+    shown = server.get(f"text/text?run={urllib.request.quote(run)}&tag=gradwatch/alerts/text_summary")
+    html = " ".join(entry["text"] for entry in shown)
+    for layer in ("dead.0", "dead.1", "dead.2"):
+        assert f"<td>{layer}</td>" in html, html[:2000]
+    assert "gradwatch-alerts-json" not in html  # the machine-readable copy is not shown
 
 
 def test_the_window_of_an_alert_always_gets_its_heatmap(tmp_path):
