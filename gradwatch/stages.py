@@ -80,10 +80,7 @@ def connect(model: nn.Module, layers: list[LayerSpec], recorder: Recorder, colle
         stages = Stages(names, detection, watch, outputs, pipeline, None, is_writer)
         stages.hooks = HookSet(model, layers, recorder.cells.taps)
         watch.model_code = stages.hooks.model_code
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "use_cache"):  # a Hugging Face model: its KV-cache switch
-            recorder.plan.cache_config = config
-            recorder.plan.follow_cache_config()
+        recorder.plan.watch_cache_switch(model)
     except BaseException:
         watch.drop_references()
         outputs.close()

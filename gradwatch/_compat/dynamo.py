@@ -99,12 +99,13 @@ def _guards_on_hooks(entry: Any) -> bool:
         return False
 
 
-def model_code(model: nn.Module, wrappers: Iterable[nn.Module] = ()) -> list[types.CodeType]:
-    """The code objects dynamo may compile for ``model``: every method of the model's own module
-    classes (``forward``, what ``torch.compile`` of a user model and regional ``block.compile()``
-    compile; a Lightning module's ``training_step``, which Lightning compiles too), ``forward`` of
-    the ``torch.nn`` classes in it, and the code dynamo wraps a ``torch.nn`` model in
-    (``torch.compile(nn.Sequential(...))``), which all such wrappers share."""
+def model_code(model: nn.Module) -> list[types.CodeType]:
+    """The code objects of ``model``'s classes that dynamo may compile: every method of the model's
+    own module classes (``forward``, what ``torch.compile`` of a user model and regional
+    ``block.compile()`` compile; a Lightning module's ``training_step``, which Lightning compiles
+    too) and ``forward`` of the ``torch.nn`` classes in it. The code dynamo wraps a ``torch.nn``
+    model in is added where they are used (:func:`_with_wrapper_code`): dynamo may be imported
+    only after the monitor attaches."""
     codes: dict[int, types.CodeType] = {}
 
     def add(function: Any) -> None:
@@ -115,7 +116,7 @@ def model_code(model: nn.Module, wrappers: Iterable[nn.Module] = ()) -> list[typ
             function = getattr(function, "__wrapped__", None)
 
     classes: dict[type, None] = {}
-    for module in [model, *model.modules(), *wrappers]:
+    for module in model.modules():
         classes.update(dict.fromkeys(type(module).__mro__))
         if is_compiled_wrapper(module):
             add(getattr(module, "forward", None))
@@ -125,12 +126,16 @@ def model_code(model: nn.Module, wrappers: Iterable[nn.Module] = ()) -> list[typ
             continue
         for value in vars(cls).values():
             add(getattr(value, "__func__", value))  # functions, static and class methods
+    return list(codes.values())
+
+
+def _with_wrapper_code(codes: Iterable[types.CodeType]) -> list[types.CodeType]:
+    """``codes`` and the code dynamo wraps a ``torch.nn`` model in (``torch.compile(nn.Sequential(...))``),
+    which all such wrappers share: read from dynamo now, if it is imported."""
     external = sys.modules.get("torch._dynamo.external_utils")
     wrap_inline = getattr(external, "wrap_inline", None)
-    for const in getattr(getattr(wrap_inline, "__code__", None), "co_consts", ()):
-        if isinstance(const, types.CodeType):
-            codes[id(const)] = const
-    return list(codes.values())
+    consts = getattr(getattr(wrap_inline, "__code__", None), "co_consts", ())
+    return [*codes, *(const for const in consts if isinstance(const, types.CodeType))]
 
 
 def _cache_entries() -> Any:
@@ -139,10 +144,10 @@ def _cache_entries() -> Any:
     return getattr(eval_frame, "_debug_get_cache_entry_list", None)
 
 
-def forget_compiled_frames(model: nn.Module, wrappers: Iterable[nn.Module] = ()) -> int:
-    """Drop the frames dynamo compiled for ``model``'s code (:func:`model_code`) without guards on
-    module hooks, so that the next call traces its hooks as they are now. Returns how many code
-    objects were dropped. Frames compiled while a monitor had the hook guards on are kept: they
+def forget_compiled_frames(codes: Iterable[types.CodeType]) -> int:
+    """Drop the frames dynamo compiled for the model's code (``codes``: :func:`model_code`) without
+    guards on module hooks, so that the next call traces its hooks as they are now. Returns how many
+    code objects were dropped. Frames compiled while a monitor had the hook guards on are kept: they
     retrace by themselves when hooks change, and another model sharing the code (an EMA copy, a
     teacher) keeps them. A free function compiled around the model is not found:
     ``GradMonitor`` warns at the first flush when its hooks did not run.
@@ -153,7 +158,7 @@ def forget_compiled_frames(model: nn.Module, wrappers: Iterable[nn.Module] = ())
     if entries is None or reset_code is None:
         return 0
     dropped = 0
-    for code in model_code(model, wrappers):
+    for code in _with_wrapper_code(codes):
         try:
             # Only code with an entry compiled without hook guards (before a monitor turned them on):
             # an entry that guards on hooks retraces by itself when they change, and resetting a
@@ -177,7 +182,7 @@ def at_recompile_limit(codes: Iterable[types.CodeType]) -> list[tuple[str, int, 
     if not isinstance(limit, int):
         return []
     full = []
-    for code in codes:
+    for code in _with_wrapper_code(codes):
         try:
             count = len(entries(code))
         except Exception:

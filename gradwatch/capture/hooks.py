@@ -12,7 +12,6 @@ module call, and dynamo traces it into compiled code (capture.py says what that 
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,21 +36,19 @@ class HookSet:
         self._guarding = True
         for layer, tap in zip(layers, taps):
             self._handles.append(layer.module.register_forward_hook(tap))
-        # Code compiled before now does not run the hooks: trace it again.
-        self._model: weakref.ref | None = weakref.ref(model)
         #: the code objects dynamo may compile for the model (read at flush: ``ModelWatch.check_recompile_limit``)
         self.model_code = compiled.model_code(model)
-        self.recompiled = compiled.forget_compiled_frames(model)
+        # Code compiled before now does not run the hooks: trace it again.
+        self.recompiled = compiled.forget_compiled_frames(self.model_code)
 
     def remove(self) -> None:
         """Remove every hook (and the compiled code that ran them); idempotent."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        model = self._model() if self._model is not None else None
-        self._model = None
-        if model is not None:
-            compiled.forget_compiled_frames(model)
+        codes, self.model_code = self.model_code, []
+        if codes:  # once (remove() is idempotent)
+            compiled.forget_compiled_frames(codes)
         if self._guarding:
             self._guarding = False
             compiled.release_hook_guards()

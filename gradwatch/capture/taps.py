@@ -101,15 +101,6 @@ class RecordingFlags:
     def sampling(self) -> bool:
         return self._sampling
 
-    def follow_cache_config(self) -> None:
-        """Compiled taps leave out the output-gradient hook while the model's KV cache is on. A
-        tensor hook registered in a frame that also builds a ``DynamicCache`` trips a dynamo bug
-        (docs/reference.md, "Compiled models"): dynamo drops the whole-model graph (8 graphs for 1
-        on a tiny GPT-2) and ``fullgraph=True`` fails. Read at attach and at every step (one getattr)."""
-        if self.cache_config is not None:
-            self.hooks_left_out |= not self.grad_hooks_when_compiled  # the step just recorded
-            self.grad_hooks_when_compiled = not bool(getattr(self.cache_config, "use_cache", False))
-
     @sampling.setter
     def sampling(self, value: bool) -> None:
         value = bool(value)
@@ -119,6 +110,22 @@ class RecordingFlags:
             for sampled, count in self.device_flags:
                 sampled.fill_(value)
                 count.fill_(float(value))
+
+    def watch_cache_switch(self, model: Any) -> None:
+        """Follow ``model.config.use_cache`` (a Hugging Face model's KV-cache switch), if it has one."""
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "use_cache"):
+            self.cache_config = config
+            self.follow_cache_config()
+
+    def follow_cache_config(self) -> None:
+        """Compiled taps leave out the output-gradient hook while the model's KV cache is on. A
+        tensor hook registered in a frame that also builds a ``DynamicCache`` trips a dynamo bug
+        (docs/reference.md, "Compiled models"): dynamo drops the whole-model graph (8 graphs for 1
+        on a tiny GPT-2) and ``fullgraph=True`` fails. Read at attach and at every step (one getattr)."""
+        if self.cache_config is not None:
+            self.hooks_left_out |= not self.grad_hooks_when_compiled  # the step just recorded
+            self.grad_hooks_when_compiled = not bool(getattr(self.cache_config, "use_cache", False))
 
 
 def _alias(storage: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -354,29 +361,24 @@ class OutputTap:
     def _record_output_traced(self, out: torch.Tensor) -> None:
         """``record_output`` inside compiled code: every step's graph is the sampled one, and what
         only sampled steps record is kept where this device's flag says so (see the module
-        docstring). The sums fuse into the kernel that reads the output for the forward check."""
+        docstring); with ``detail="full"`` (a constant for the compiled code) every step keeps it.
+        The sums fuse into the kernel that reads the output for the forward check."""
         local = local_tensor(out)
-        if self.plan.every_step:  # detail="full": a constant for the compiled code, no flag to read
-            with torch.no_grad():
-                self.forward_sum.add_(local.sum(dtype=torch.float32))
-                self._advance_clock()
-                if self.output_stats is not None:
-                    self.output_stats.add_(registry.accumulate_all(local, self.output_stats.dtype))
-                    self.output_elements.add_(local.numel())
-            if out.requires_grad and self.plan.grad_hooks_when_compiled:
-                out.register_hook(self.on_output_grad)
-            return
+        every_step = self.plan.every_step
         with torch.no_grad():
             self.forward_sum.add_(local.sum(dtype=torch.float32))
             count = self.sampled_count
-            # The clock is finite and non-negative, so a product keeps it or makes it 0, which
-            # the first-call cell (zeroed at sampled steps, never negative) ignores.
-            self.first_call.clamp_min_(self.clock * count)
-            self.clock.sub_(count)
+            if every_step:
+                self._advance_clock()
+            else:
+                # The clock is finite and non-negative, so a product keeps it or makes it 0, which
+                # the first-call cell (zeroed at sampled steps, never negative) ignores.
+                self.first_call.clamp_min_(self.clock * count)
+                self.clock.sub_(count)
             if self.output_stats is not None:
                 values = registry.accumulate_all(local, self.output_stats.dtype)
-                self.output_stats.add_(torch.where(self.sampled, values, 0.0))
-                self.output_elements.add_(count * local.numel())
+                self.output_stats.add_(values if every_step else torch.where(self.sampled, values, 0.0))
+                self.output_elements.add_(local.numel() if every_step else count * local.numel())
         if out.requires_grad and self.plan.grad_hooks_when_compiled:
             out.register_hook(self.on_output_grad)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -581,13 +582,16 @@ def test_changing_batch_sizes_make_the_baseline_s_graphs(dynamic, caplog):
     assert not [r for r in caplog.records if r.name == "gradwatch"]
 
 
-def test_dynamo_reaching_its_recompile_limit_is_said_once(caplog):
+def test_dynamo_reaching_its_recompile_limit_is_said_once(caplog, monkeypatch):
     # A new static shape at every step: dynamo stops compiling new variants of the model's forward
     # at its recompile limit and runs the rest eagerly. gradwatch says so once, with the function,
-    # and records on (eagerly, the same values).
+    # and records on (eagerly, the same values). Attached as in a fresh process, where dynamo's
+    # wrapper of a torch.nn model (what hits the limit here) is not imported yet.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    monitor = GradMonitor(model, flush_every=4)
+    with monkeypatch.context() as hidden:
+        hidden.delitem(sys.modules, "torch._dynamo.external_utils")
+        monitor = GradMonitor(model, flush_every=4)
     run = torch.compile(model, backend="eager", dynamic=False)
     with torch._dynamo.config.patch(recompile_limit=2), caplog.at_level(logging.WARNING, logger="gradwatch"):
         for step in range(12):
