@@ -105,13 +105,20 @@ def resnet18():
 
 
 def run(build: Case, monitored: bool, steps: int = 12, dynamic: bool | None = None,
-        fullgraph: bool = False) -> dict[str, object]:  # fmt: skip
+        fullgraph: bool = False, regional: bool = False) -> dict[str, object]:  # fmt: skip
+    """``regional``: each block of the model's first ``nn.ModuleList`` compiled (``block.compile()``), not the model."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
     model, batch, loss_of = build()
     monitor = GradMonitor(model, flush_every=6) if monitored else None
-    compiled = torch.compile(model, backend="aot_eager", dynamic=dynamic, fullgraph=fullgraph)
+    if regional:
+        blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
+        for block in blocks:
+            block.compile(backend="aot_eager", dynamic=dynamic, fullgraph=fullgraph)
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend="aot_eager", dynamic=dynamic, fullgraph=fullgraph)
     limit = _LimitHits()
     logging.getLogger("torch._dynamo").addHandler(limit)
     try:
@@ -171,6 +178,8 @@ CASES: dict[str, Callable[[bool], dict[str, object]]] = {
     "Llama (tiny), use_cache=True": lambda m: run(llama(True), m),
     "GPT-2 (tiny), use_cache=False": lambda m: run(gpt2(False), m),
     "GPT-2 (tiny), use_cache=True": lambda m: run(gpt2(True), m),
+    "GPT-2 (tiny), use_cache=True, regional (each block compiled)": lambda m: run(gpt2(True), m, regional=True),
+    "Llama (tiny), use_cache=True, fullgraph=True": lambda m: run(llama(True), m, fullgraph=True),
     "HF Trainer, torch_compile=True, GPT-2": hf_trainer,
     "MLP, dynamic=False, 5 batch sizes, 60 steps": lambda m: run(mlp_batches((8, 16, 24, 32, 40)), m, 60, False),
     "MLP, dynamic=None, batch sizes 8/16/24/32": lambda m: run(mlp_batches((8, 16, 24, 32)), m, 24),

@@ -19,8 +19,7 @@ from .distributed.tensor_parallel import output_shares
 from .failures import FailureLog
 from .flush.window import Window
 from .settings import (DETAILS, check_callback, check_device, check_outputs, check_settings, check_step_number, check_window_size,
-                       warn_if_compiled_with_a_cache)  # fmt: skip
-from .settings import warn_about_wrappers
+                       warn_about_wrappers)  # fmt: skip
 from .stages import connect
 from .state import restore_state, saved_state
 
@@ -70,10 +69,7 @@ class GradMonitor:
         self._scaler = scaler
         self._closed = True  # until attached: close() and __del__ have nothing to undo
         self._next_step = 0
-        compiled = _compat.is_compiled_wrapper(model)
         model = _compat.unwrap(model)  # torch.compile(model): hooks and names on the model the user wrote
-        if compiled:
-            warn_if_compiled_with_a_cache(model)
         self._layer_specs = discover_layers(model, include, exclude)  # a TypeError for a non-module
         self._include, self._exclude = include, exclude
         warn_about_wrappers(model)

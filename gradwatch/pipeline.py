@@ -117,7 +117,7 @@ class StepPipeline:
             self.watch.check_hooks_ran(window)
             self.watch.check_gradients_arrived(window)
             self.watch.check_recompile_limit()
-            self.watch.check_cache_left_out_hooks(window)
+            self.watch.check_grads_left_out()
         self._stop_on(new)
         return new
 

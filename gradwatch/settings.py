@@ -85,23 +85,6 @@ def warn_about_wrappers(model: nn.Module) -> None:
         )
 
 
-def warn_if_compiled_with_a_cache(model: Any) -> None:
-    """One WARNING when ``model``, compiled whole, keeps a KV cache on (``config.use_cache``): compiled
-    code then records no output-gradient statistics (``RecordingFlags.follow_cache_config`` says why).
-    Called by the monitor for a compiled wrapper and by the Hugging Face callback for
-    ``TrainingArguments(torch_compile=True)``."""
-    if not getattr(getattr(model, "config", None), "use_cache", False):
-        return
-    log.warning(
-        "gradwatch: this model is compiled whole with use_cache=True: a dynamo bug (tensor hooks beside the "
-        "cache's lazily set attributes) would drop the whole-model graph (a tiny GPT-2: 8 graphs instead of 1) "
-        "and fail fullgraph=True, so while the cache is on, compiled code records no out_grad_norm and no dead "
-        "units (parameter-gradient statistics and the forward checks are recorded). A training step does not "
-        "use the cache: TrainingArguments(use_cache=False) (the default), or model.config.use_cache = False "
-        "outside the Trainer, and every statistic is recorded."
-    )
-
-
 # Per step: three float64 device statistics per parameter tensor (param_sq, param_max,
 # param_nonfinite) and one host count (param_present, copied into the buffer at flush); five per
 # layer (out_grad's sum of squares, calls and samples, fwd_sum, fwd_order).

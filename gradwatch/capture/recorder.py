@@ -251,7 +251,7 @@ class Recorder:
         """Forget the model (close()): the taps stop, the optimizer hooks go, the parameters are dropped."""
         self.replace_updates(None)
         self.plan.active = False
-        self.plan.cache_config = None
+        self.plan.cache_configs = []
         self.discard_pending()
         self.param_stats.drop_references()
 

@@ -52,6 +52,7 @@ import torch
 
 from .. import _compat, registry
 from .buffer import stat_dtype
+from .grad_passthrough import can_pass_through, pass_through
 from .grad_statistics import GradStatistics
 from .layers import LayerSpec, grad_tensors
 from ..distributed.sharding import local_tensor
@@ -83,13 +84,12 @@ class RecordingFlags:
         self.on_host = torch.ones((), dtype=torch.bool)
         #: every step is sampled (``detail="full"``; fixed at attach): compiled taps need no flag
         self.every_step = False
-        #: the model's configuration when it has a KV-cache switch (``config.use_cache``, Hugging Face)
-        self.cache_config: Any = None
-        #: compiled taps put their hook on outputs: False while the model's KV cache is on (see
-        #: ``follow_cache_config``); a Python value compiled code guards on, read back at every step
-        self.grad_hooks_when_compiled = True
-        #: a step was recorded with that hook left out since the flag was last read (at a flush)
-        self.hooks_left_out = False
+        #: the configurations with a KV-cache switch (``config.use_cache``, Hugging Face) in the model
+        self.cache_configs: list[Any] = []
+        #: compiled taps hand outputs through an autograd function instead of putting a tensor hook
+        #: on them: True while the model's KV cache is on (see ``follow_cache_config``); a Python
+        #: value compiled code guards on, read back at every step
+        self.grads_through_function = False
         self.active = True
         #: Counts recorded steps: a tap that last checked an output at an earlier count is at its
         #: step's first call (eager only; compiled code never reads it).
@@ -111,21 +111,26 @@ class RecordingFlags:
                 sampled.fill_(value)
                 count.fill_(float(value))
 
-    def watch_cache_switch(self, model: Any) -> None:
-        """Follow ``model.config.use_cache`` (a Hugging Face model's KV-cache switch), if it has one."""
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "use_cache"):
-            self.cache_config = config
-            self.follow_cache_config()
+    def watch_cache_switch(self, model: torch.nn.Module) -> None:
+        """Follow ``config.use_cache`` (a Hugging Face model's KV-cache switch) of every module of
+        ``model`` that has one: the model itself, or one inside a user's wrapper (a Lightning module)."""
+        configs = {}
+        for module in model.modules():
+            config = getattr(module, "config", None)
+            if config is not None and hasattr(config, "use_cache"):
+                configs[id(config)] = config
+        self.cache_configs = list(configs.values())
+        self.follow_cache_config()
 
     def follow_cache_config(self) -> None:
-        """Compiled taps leave out the output-gradient hook while the model's KV cache is on. A
-        tensor hook registered in a frame that also builds a ``DynamicCache`` trips a dynamo bug
-        (docs/reference.md, "Compiled models"): dynamo drops the whole-model graph (8 graphs for 1
-        on a tiny GPT-2) and ``fullgraph=True`` fails. Read at attach and at every step (one getattr)."""
-        if self.cache_config is not None:
-            self.hooks_left_out |= not self.grad_hooks_when_compiled  # the step just recorded
-            self.grad_hooks_when_compiled = not bool(getattr(self.cache_config, "use_cache", False))
+        """Compiled taps take output gradients through an autograd function while a KV cache in the
+        model is on. A tensor hook registered in a frame that also builds a ``DynamicCache`` trips
+        a dynamo bug (``capture/grad_passthrough.py``): dynamo drops the whole-model graph (8 graphs
+        for 1 on a tiny GPT-2) and ``fullgraph=True`` fails. Read at attach and at every step (a
+        getattr per configuration); with the cache off, the tensor hook (the path measured
+        everywhere else) is kept."""
+        if self.cache_configs:
+            self.grads_through_function = any(getattr(c, "use_cache", False) for c in self.cache_configs)
 
 
 def _alias(storage: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -281,14 +286,19 @@ class OutputTap:
         # Taps that record the same output too (MultiheadAttention's out_proj): set by HookSet.
         self.also: tuple["OutputTap", ...] = ()
         self.failure: BaseException | None = None  # the latest failure inside this tap, until step()
+        #: compiled code with the KV cache on met an output it cannot hand through the gradient tap
+        self.grad_left_out = False
 
     # ----------------------------------------------------------------- forward
-    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        """Record ``output``; returns None (the output unchanged), or in compiled code with the
+        model's KV cache on, the output with a copy that carries the gradient tap (see
+        ``capture/grad_passthrough.py``)."""
         if not self.plan.active:
-            return
+            return None
         try:
             if torch.is_grad_enabled():
-                self._record_outputs(output)
+                return self._record_outputs(output)
             elif not torch.compiler.is_compiling() and self.plan.sampling and _compat.in_reentrant_checkpoint():
                 # Reentrant activation checkpointing runs its blocks' first forward without grad:
                 # that call marks the forward order, nothing else; their recomputation inside
@@ -297,6 +307,7 @@ class OutputTap:
                 self._mark_forward_order(output)
         except Exception as exc:  # never break training; reported at step() (nothing raises when traced)
             self.failed(exc)
+        return None
 
     def _mark_forward_order(self, output: Any) -> None:
         first = output if isinstance(output, torch.Tensor) else next(iter(grad_tensors(output)), None)
@@ -310,20 +321,24 @@ class OutputTap:
         self.first_call.clamp_min_(self.clock)
         self.clock.sub_(1.0)
 
-    def _record_outputs(self, output: Any) -> None:
+    def _record_outputs(self, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
-            if output.is_floating_point():
-                self.record_output(output)
-            return
-        tensors = grad_tensors(output)
+            tensors = [output] if output.is_floating_point() else []
+        else:
+            tensors = grad_tensors(output)
         if not tensors:
-            return
-        self.record_output(tensors[0])
-        for tap in self.also:
-            tap.record_output(tensors[0])
+            return None
+        first = tensors[0]
+        for tap in (self, *self.also):
+            tap.record_output(first)
         for extra in tensors[1:]:  # e.g. an RNN's h_n: an output with the same units, when it has them
             if extra.ndim and self.grad_stats.judged(extra):
                 self.record_output(extra)
+        if self.plan.grads_through_function and first.requires_grad and torch.compiler.is_compiling():
+            if can_pass_through(output, first):
+                return pass_through(output, first, (self, *self.also))
+            self.grad_left_out = True  # said at the flush (ModelWatch.check_grads_left_out)
+        return None
 
     def failed(self, exc: BaseException) -> None:
         """Keep the failure for step() to report (the failure path only: nothing here is traced)."""
@@ -379,7 +394,7 @@ class OutputTap:
                 values = registry.accumulate_all(local, self.output_stats.dtype)
                 self.output_stats.add_(values if every_step else torch.where(self.sampled, values, 0.0))
                 self.output_elements.add_(local.numel() if every_step else count * local.numel())
-        if out.requires_grad and self.plan.grad_hooks_when_compiled:
+        if out.requires_grad and not self.plan.grads_through_function:
             out.register_hook(self.on_output_grad)
 
     def _check_forward(self, out: torch.Tensor, plan: RecordingFlags) -> None:

@@ -124,23 +124,20 @@ class ModelWatch:
                 name, count, limit,
             )  # fmt: skip
 
-    def check_cache_left_out_hooks(self, window: Any) -> None:
-        """Warn once when compiled code recorded no output gradient because the model's KV cache was
-        on (``RecordingFlags.follow_cache_config``): steps of the window ran with the hook left out,
-        and no layer's output gradient was seen (eager steps record them with the cache on)."""
-        plan = self.recorder.plan
-        left_out, plan.hooks_left_out = plan.hooks_left_out, False
-        if "cache" in self._warned or not left_out or not window.sampled.any():
+    def check_grads_left_out(self) -> None:
+        """Warn once when compiled code with the model's KV cache on met a layer output that the
+        gradient tap cannot be handed through (``capture/grad_passthrough.py``: only a tensor, or a
+        plain tuple that starts with one): that layer's output-gradient statistics are not recorded."""
+        if "cache" in self._warned:
             return
-        if not window.out_seen.any() and window.has_grad.any() and self._once("cache"):
+        names = [tap.name for tap in self.recorder.cells.taps if tap.grad_left_out]
+        if names and self._once("cache"):
             log.warning(
-                "gradwatch: steps %d-%d ran compiled with the model's KV cache on (config.use_cache=True), so "
-                "out_grad_norm and dead units are not recorded: a tensor hook beside the cache trips a dynamo bug "
-                "that drops the whole-model graph (and fails fullgraph=True), so compiled code runs without it. "
-                "A training step does not use the cache: set model.config.use_cache = False (the Hugging Face "
-                "Trainer does by default) and every statistic is recorded, with the same graphs as without "
-                "gradwatch. Parameter-gradient statistics and the forward checks are recorded either way.",
-                window.steps[0], window.steps[-1],
+                "gradwatch: compiled with the model's KV cache on (config.use_cache=True), %d layer(s) return an "
+                "output that is neither a tensor nor a tuple starting with one (%s): their out_grad_norm and dead "
+                "units are not recorded in compiled steps (a tensor hook there trips a dynamo bug that drops the "
+                "whole-model graph). A training step does not use the cache: model.config.use_cache = False "
+                "records them.", len(names), ", ".join(names[:5]) + (", ..." if len(names) > 5 else ""),
             )  # fmt: skip
 
     def check_gradients_arrived(self, window: Any) -> None:

@@ -30,7 +30,7 @@ from typing import Any, Optional, Union
 from ..alerts import Alert
 from ..config import HealthConfig
 from ..monitor import GradMonitor
-from ..settings import check_settings, warn_if_compiled_with_a_cache
+from ..settings import check_settings
 from .lifecycle import MonitorLifecycle, config_from, config_to_json, discover_scaler, watchable_optimizer
 
 log = logging.getLogger("gradwatch")
@@ -151,8 +151,6 @@ class GradWatchCallback(TrainerCallback, _ExportableState):
             )  # fmt: skip
 
         self._lifecycle.attach([build])
-        if getattr(args, "torch_compile", False):  # the Trainer compiles the model whole
-            warn_if_compiled_with_a_cache(model)
         if accelerator is not None and hasattr(accelerator, "clip_grad_norm_"):
             self._record_before(accelerator, "clip_grad_norm_")
         engine = getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)

@@ -647,3 +647,77 @@ def test_real_models_compiled_whole_make_the_baseline_s_graphs(build):
     assert recorded > 0
     assert monitored_breaks == breaks == 0
     assert monitored_graphs == graphs  # sampled and unsampled steps run one graph
+
+
+class _DictHead(nn.Module):
+    """A layer whose output is a dict: a forward hook cannot put a copy back into it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, 3) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": x @ self.weight}
+
+
+class _CachedNet(nn.Module):
+    """A model with a Hugging Face-style KV-cache switch, in-place ops on two layers' outputs and a dict output."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.config = type("Config", (), {"use_cache": True})()
+        self.fc = nn.Linear(width, width)
+        self.act = nn.ReLU(inplace=True)
+        self.fc2 = nn.Linear(width, width)
+        self.head = _DictHead(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc(x))
+        y = self.fc2(h)
+        y += h  # a residual added in place to a tapped output
+        return self.head(y)["logits"]
+
+
+def test_with_the_kv_cache_on_compiled_taps_survive_in_place_ops_and_say_which_outputs_they_cannot_carry(caplog):
+    # While config.use_cache is on, compiled taps hand a layer's output through an autograd function
+    # (capture/grad_passthrough.py): its copy must take in-place ops after the layer, and an output
+    # that is not a tensor (nor a tuple starting with one) is left out and named once. The switch is
+    # found inside the user's wrapper (as a Lightning module holds a Hugging Face model).
+    def train(monitored: bool):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(_CachedNet())
+        monitor = GradMonitor(model, flush_every=3, detail="full") if monitored else None
+        forward = torch.compile(model, backend=BACKEND, fullgraph=True)
+        for x in (torch.randn(4, 8, generator=torch.Generator().manual_seed(k)) for k in range(3)):
+            forward(x).square().sum().backward()
+            if monitor is not None:
+                monitor.step()
+            model.zero_grad()
+        if monitor is not None:
+            monitor.close()
+        return monitor, torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    # The reference: the eager model's output gradients, taken before the in-place ops by the test's own hooks.
+    torch.manual_seed(0)
+    twin, grads = _CachedNet(), {"fc": [], "fc2": []}
+
+    def keep(module: nn.Module, args: object, out: torch.Tensor, name: str) -> None:
+        out.register_hook(grads[name].append)
+
+    for name in grads:
+        twin.get_submodule(name).register_forward_hook(lambda m, a, out, n=name: keep(m, a, out, n))
+    for k in range(3):
+        twin(torch.randn(4, 8, generator=torch.Generator().manual_seed(k))).square().sum().backward()
+    _, baseline_graphs = train(monitored=False)
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        monitor, graphs = train(monitored=True)
+    window = monitor.last_window
+    assert graphs == baseline_graphs
+    for name, got in grads.items():
+        want = [float(g.double().norm()) for g in got]
+        np.testing.assert_allclose(window.out_grad_norm[:, window.layers.index(f"0.{name}")], want, rtol=1e-6)
+    assert np.isnan(window.out_grad_norm[:, window.layers.index("0.head")]).all()
+    said = [r.getMessage() for r in caplog.records if "use_cache" in r.getMessage()]
+    assert len(said) == 1 and "(0.head)" in said[0]
