@@ -127,7 +127,7 @@ class StepPipeline:
         window's first sampled steps found a layer dead, the rest of it is recorded in full."""
         recorder, probe = self.recorder, self.units_probe
         silent, self.judge.fell_silent = self.judge.fell_silent, False
-        if silent and not probe.reducing and not self._fresh_evidence:  # once a window: evidence is not wiped again
+        if silent and probe.enabled and not self._fresh_evidence:  # once a window: evidence is not wiped again
             self._fresh_evidence = True
             recorder.sample_rest_of_window(fresh=True)
             return

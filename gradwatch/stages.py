@@ -68,8 +68,7 @@ def connect(model: nn.Module, layers: list[LayerSpec], recorder: Recorder, colle
     mesh = agree_on_layout(collectives, layers, recorder, output_shares, failures)
     names = list(mesh.names) if mesh is not None else [layer.name for layer in layers]
     is_writer = collectives.rank == 0  # only rank 0 writes
-    detection = assemble(config, names, optimizer, recorder, mesh is not None, failures, scaler, is_writer,
-                         reducing=lambda: collectives.enabled)  # fmt: skip
+    detection = assemble(config, names, optimizer, recorder, mesh is not None, failures, scaler, is_writer)
     watch = ModelWatch(recorder, frozen_layers(model, include, exclude), layers)
     outputs = Outputs(failures, str(logdir) if is_writer and logdir else None, writer if is_writer else None,
                       config.report_thresholds(), {layer.name: type(layer.module).__name__ for layer in layers})  # fmt: skip

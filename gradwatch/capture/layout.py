@@ -83,11 +83,6 @@ class Layout:
         that the sampled steps found, confirmed inside their own window)."""
         self._sampled[slot:] = True
 
-    @property
-    def sampled_slots(self) -> np.ndarray:
-        """[flush_every] bool: the slots of the current window that record every statistic."""
-        return self._sampled
-
     def is_sampled(self, slot: int) -> bool:
         """Whether step ``slot`` of a window records every statistic (past the window: the next one's slot 0)."""
         return bool(self._sampled[slot]) if slot < self.flush_every else True

@@ -22,7 +22,7 @@ from .layers import LayerSpec
 from ..registry import accumulator_count
 from ..registry.states import (
     OUT_STATS, FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, SAMPLE_UPDATE_SQ,
-    SAMPLE_WEIGHT_SQ, STEP_FAILED, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ,
+    SAMPLE_WEIGHT_SQ, STEP_FAILED, STEP_UNSAMPLED, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ,
 )  # fmt: skip
 from .layout import Layout
 from .param_stats import ParamStats, StepRows
@@ -127,6 +127,7 @@ class Recorder:
         slot = self.slot
         plan = self.plan
         sampled = plan.sampling
+        self._host[STEP_UNSAMPLED][slot] = 0.0 if self.layout.is_sampled(slot) else 1.0
         try:
             if plan.failed:
                 self._report_tap_failure()

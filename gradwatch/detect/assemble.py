@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..config import HealthConfig
 from ..failures import FailureLog
@@ -27,14 +27,14 @@ class Detection:
 
 
 def assemble(config: HealthConfig, names: list[str], optimizer: Any, recorder: Any, union: bool,
-             failures: FailureLog, scaler: Any, is_writer: bool, reducing: Callable[[], bool]) -> Detection:  # fmt: skip
+             failures: FailureLog, scaler: Any, is_writer: bool) -> Detection:  # fmt: skip
     """The detect stage for ``names`` (every rank's layers when ``union``).
 
     nonfinite and the model's exploding are judged at every step, from a read-back that never
     waits for the device; not for sharded parameters (each rank's values are partial until the
     flush's reduction, and a ``stop_on`` decision must be the same on every rank), nor when ranks
-    hold different layers (``union``). ``reducing``: whether windows are reduced across ranks now
-    (dead units are then confirmed in the next window, not inside their own).
+    hold different layers (``union``). Dead units are confirmed inside their own window where
+    every rank holds the same layers (``flush/unit_probe.py``), in the next one otherwise.
     """
     normalised = config.normalised_optimizer
     if normalised is None:
@@ -48,5 +48,5 @@ def assemble(config: HealthConfig, names: list[str], optimizer: Any, recorder: A
     # the scaler, not the monitor: nothing the hooks reach may keep the monitor alive
     judge = StepJudge(readback, recorder.layout, checks, tracker, failures,
                       lambda: scaler is not None and scaler.is_enabled())  # fmt: skip
-    probe = UnitProbe(recorder.layout, config.dead_eps, reducing)
+    probe = UnitProbe(recorder.layout, config.dead_eps, enabled=not union)
     return Detection(checks, tracker, judge, per_step, probe)

@@ -225,13 +225,6 @@ class MeshLayout:
         self._sample_factor = host_to_device(1.0 / holders[mine_cols[mine.sample_columns]], device, dtype)
         return device
 
-    @property
-    def sampled_slots(self) -> np.ndarray:
-        return self._local.sampled_slots
-
-    def is_sampled(self, slot: int) -> bool:
-        return self._local.is_sampled(slot)
-
     def gather(self, combined: bool = True) -> None:
         """Copy this rank's buffer (host states loaded) into the union's; reduce ``self.buffer`` next.
 

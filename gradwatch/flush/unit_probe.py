@@ -7,14 +7,19 @@ sampled step of the window's first run of them, that confirmation can run in the
 flush judges on that. Read without a sync: on CPU buffers through numpy views (host memory);
 elsewhere with one ``non_blocking`` copy and an event a later ``step()`` checks.
 
-Only where this rank's evidence is the whole evidence (no reduction across ranks): which steps
-a window samples must be the same on every rank, and deciding it from one rank's rows would
-need a collective at a step. Reducing monitors confirm in the next window.
+With data-parallel ranks each rank decides from its own rows, without a collective: a layer
+dead for every batch looks dead on every rank's sampled steps, so they all switch at the same
+step. Where they do not agree, the window records which ranks sampled each step
+(``STEP_UNSAMPLED``): a step is sampled in the reduced window only where every rank sampled it,
+so a rank that switched alone adds evidence (a unit it saw fire is alive) but confirms nothing,
+and the flush asks the next window for the confirmation, as every rank agrees on it there. Not
+where ranks hold different layers (pipeline or tensor parallel with a union of layers): this
+rank's layers are not the rules' layers there.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,11 +35,11 @@ class UnitProbe:
     Args:
         layout: the rank's buffer layout.
         dead_eps: the output-gradient magnitude that counts as zero.
-        reducing: whether the monitor reduces its windows across ranks now (then this reads nothing).
+        enabled: False where ranks hold different layers (then this reads nothing).
     """
 
-    def __init__(self, layout: Layout, dead_eps: float, reducing: Callable[[], bool]) -> None:
-        self.layout, self.dead_eps, self._reducing = layout, dead_eps, reducing
+    def __init__(self, layout: Layout, dead_eps: float, enabled: bool) -> None:
+        self.layout, self.dead_eps, self.enabled = layout, dead_eps, enabled
         planned = layout.planned_slots
         gaps = np.flatnonzero(~planned)
         #: the slot after which the window's first run of sampled steps ends (None: every slot is sampled)
@@ -43,15 +48,10 @@ class UnitProbe:
         self._out = layout.buffer.host_view(OUT_GRAD)
         self._pending: tuple[torch.Tensor, Any] | None = None  # (staged evidence, event) in flight
 
-    @property
-    def reducing(self) -> bool:
-        """Whether windows are reduced across ranks now (then nothing here may change the sampling)."""
-        return self._reducing()
-
     def after_step(self, slot: int) -> tuple[np.ndarray, np.ndarray] | None:
         """After ``step()`` wrote row ``slot``: the (dead fraction, rows seen) per layer of the
         window's sampled steps so far, once they are on the host; None until then or when not read."""
-        if self.trigger is None or self.layout.full_window or self.reducing:
+        if self.trigger is None or self.layout.full_window or not self.enabled:
             return None
         if slot == self.trigger:
             if self._units is not None:  # CPU buffer: host memory, read now

@@ -67,6 +67,7 @@ FWD_SUM = "fwd_sum"
 FWD_ORDER = "fwd_order"
 OUT_STATS = "out_stats"
 STEP_FAILED = "step_failed"
+STEP_UNSAMPLED = "step_unsampled"
 UNIT_ACC = "unit_acc"
 UPDATE_SQ = "update_sq"
 WEIGHT_SQ = "weight_sq"
@@ -97,6 +98,10 @@ STATES: tuple[StateDecl, ...] = (
     StateDecl(OUT_STATS, ("step", "layer", "accumulator"), "sum", union_index="layer", union_weight="count",
               needs="accumulators", description="per layer: the output statistics' accumulators (outputs.py)"),
     StateDecl(STEP_FAILED, ("step",), "sum", host=True, description="ranks on which recording the step failed"),
+    # Ranks may sample different steps (each confirms dead units from its own evidence mid-window):
+    # a step is sampled in the reduced window only where every rank sampled it.
+    StateDecl(STEP_UNSAMPLED, ("step",), "sum", host=True,
+              description="ranks on which the step was not sampled (recorded the per-step statistics only)"),
     StateDecl(UNIT_ACC, ("unit",), "sum", union_index="unit", union_weight="unit",
               description="per unit, over the window: zero exactly for dead units"),
     StateDecl(UPDATE_SQ, ("update_step", "param"), "sum", "unless_sharded", union_index="param",

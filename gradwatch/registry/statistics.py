@@ -20,7 +20,7 @@ from . import outputs
 from .outputs import accumulator_count, decode_all
 from .states import (
     FWD_ORDER, FWD_SUM, OUT_GRAD, OUT_STATS, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, SAMPLE_UPDATE_SQ,
-    SAMPLE_WEIGHT_SQ, STEP_FAILED, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ,
+    SAMPLE_WEIGHT_SQ, STEP_FAILED, STEP_UNSAMPLED, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ,
 )  # fmt: skip
 
 
@@ -43,7 +43,7 @@ class Decoding:
         self.n_layers = len(layout.names)
         self.dead_eps, self.scaler_in_use = dead_eps, scaler_in_use
         self.ok = host[STEP_FAILED][: self.n] == 0
-        self.sampled = layout.sampled_slots[: self.n].copy()
+        self.sampled = host[STEP_UNSAMPLED][: self.n] == 0  # sampled on every rank
 
     def rows(self, state: str) -> np.ndarray:
         """The window's rows of a per-step state."""
@@ -187,7 +187,9 @@ def _out_grad_norm(d: Decoding) -> np.ndarray:
 
 
 def _out_seen(d: Decoding) -> np.ndarray:
-    return (d.rows(OUT_GRAD)[:, 1] > 0) & d.ok[:, None]
+    # Only on steps every rank sampled: a step one rank recorded in full alone (a dead-unit
+    # confirmation it started: flush/unit_probe.py) holds that rank's share only.
+    return (d.rows(OUT_GRAD)[:, 1] > 0) & (d.ok & d.sampled)[:, None]
 
 
 def _skipped(d: Decoding) -> np.ndarray | None:

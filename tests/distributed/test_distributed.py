@@ -138,3 +138,29 @@ def test_fsdp2_hybrid_2x2_mesh_counts_each_shard_once(gloo):
                 naive = math.sqrt(sum(r["expected"][t]["local"][name] ** 2 for r in results))
                 assert naive == pytest.approx(math.sqrt(2) * exp["full"][name], rel=1e-5)
         _check_update_ratio(result)
+
+
+def test_data_parallel_ranks_confirm_dead_units_inside_their_own_window(gloo):
+    # Every rank sees the dead units on the first sampled steps and records the rest of the window
+    # in full: its own flush confirms them (not the next window's), as in a single process.
+    for rank in gloo("tests.distributed.dead_units_worker:body", 2, "agree"):
+        first = rank["windows"][0]
+        assert all(first["sampled"]) and first["own_dead_fraction"] == 0.75
+        assert [(kind, layer, step) for kind, layer, step, _ in rank["alerts"]] == [("dead_units", "0", 24)]
+        assert rank["alerts"][0][3] == first["own_dead_fraction"]
+
+
+def test_ranks_that_disagree_on_a_confirmation_confirm_nothing_until_they_agree(gloo):
+    # Rank 0 sees the dead units on its first sampled steps and records the rest of the window in
+    # full; rank 1 saw them fire and does not. The reduced window counts a step as sampled only where
+    # every rank sampled it (no half-reduced output gradient is reported) and holds rank 1's
+    # evidence: the units fired, nothing is dead. The next window both ranks agree, and confirm.
+    ranks = gloo("tests.distributed.dead_units_worker:body", 2, "disagree")
+    for rank in ranks:
+        first, second = rank["windows"]
+        assert first["own_dead_fraction"] == first["dead_fraction"] == 0.0
+        assert not all(first["sampled"]) and first["sampled"][:2] == [True, True]
+        assert all((v is None) != s for v, s in zip(first["out_grad_norm"], first["sampled"])), first
+        assert all(second["sampled"]) and second["own_dead_fraction"] == 0.75
+        assert [(kind, layer, step) for kind, layer, step, _ in rank["alerts"]] == [("dead_units", "0", 49)]
+    assert ranks[0]["windows"] == ranks[1]["windows"]
