@@ -349,3 +349,54 @@ def test_gradients_taken_before_step_are_said_once_not_silently_missing(caplog):
     caplog.clear()
     _train_with_gradients_cleared_in_backward(False, caplog)  # gradients in p.grad: nothing to say
     assert not [r for r in caplog.records if "no parameter had a .grad" in r.getMessage()]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-kv-cache"])
+def test_hands_off_weights_gradients_and_optimizer_state_equal_an_unmonitored_twin(compiled):
+    # gradwatch observes: after training with it, every weight and optimizer state is bit-equal to
+    # an unmonitored twin's; p.grad is the very tensor backward made; compiled with a KV-cache
+    # switch on (where a layer's output is handed on as a copy: capture/grad_passthrough.py) too;
+    # and the one dynamo setting gradwatch changes while attached is the user's again after close().
+    import copy
+
+    import torch._dynamo
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = type("Config", (), {"use_cache": True})()
+            self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.LayerNorm(16))
+            self.head = nn.Linear(16, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.body(x)
+            h += x.repeat(1, 2)
+            return self.head(h)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net()
+    twin = copy.deepcopy(model)
+    setting = torch._dynamo.config.skip_nnmodule_hook_guards
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, twin)]
+    monitor = GradMonitor(model, flush_every=5, optimizer=opts[0])
+    runs = [torch.compile(m, backend="aot_eager") if compiled else m for m in (model, twin)]
+    batches = torch.Generator().manual_seed(1)
+    for _ in range(12):
+        x, y = torch.randn(4, 8, generator=batches), torch.randint(0, 3, (4,), generator=batches)
+        for run, opt in zip(runs, opts):
+            nn.functional.cross_entropy(run(x), y).backward()
+        grads = [p.grad for p in model.parameters()]
+        monitor.step()
+        assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    monitor.close()
+    assert torch._dynamo.config.skip_nnmodule_hook_guards == setting
+    for mine, theirs in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(mine, theirs)
+    for mine, theirs in zip(opts[0].state.values(), opts[1].state.values()):
+        assert all(torch.equal(mine[k], theirs[k]) for k in ("exp_avg", "exp_avg_sq"))
+    assert monitor.last_window is not None and (monitor.last_window.out_grad_norm > 0).any()
+    torch._dynamo.reset()

@@ -176,11 +176,41 @@ class ExplodingRule:
         if not np.isfinite(value):
             self.judged[col] += 1
             return None, float("nan")  # a non-finite norm is the nonfinite check's
+        calm_jump = self._calm_at_once(value, col)
+        if calm_jump is not None:
+            return None, calm_jump
         verdict = self.judge_row(np.array([value]), np.array([col]))
         jump = float(verdict.jumps[0])
         if not verdict.over[0]:
             return None, jump
         return Finding("exploding", name, step, value, float(verdict.threshold[0]), verdict.why[0]), jump
+
+    def _calm_at_once(self, value: float, col: int) -> float | None:
+        """The common case of ``judge_row`` for one finite value, decided on Python floats (this
+        runs at every step, where each numpy call costs microseconds): when the value is under the
+        absolute ceiling, under the jump ceiling, and (after the warm-up) within
+        ``exploding_factor`` x the largest recent calm value, no relative ceiling is needed and it
+        is calm; it enters the rings as ``judge_row`` would enter it. Returns its jump (as in
+        ``RowVerdict``), or None when the full judgement must decide."""
+        cfg = self.config
+        top = float(np.fmax.reduce(self.recent[:, col]))  # NaN: no calm value yet
+        previous = float(self.last_calm[col])
+        if value > cfg.exploding_abs_norm or (previous > 0 and value >= cfg.exploding_jump * previous):
+            return None
+        if self.judged[col] >= cfg.exploding_warmup_steps and not value <= cfg.exploding_factor * top:
+            return None  # a candidate for the relative ceiling (or no calm value to compare with)
+        slot = self.recent_slot[col]
+        self.recent[slot, col] = value
+        self.recent_slot[col] = (slot + 1) % RECENT_STEPS
+        slot = self.level_slot[col]
+        self.level[slot, col] = value
+        self.level_slot[col] = (slot + 1) % LEVEL_STEPS
+        self.last_calm[col] = value
+        self.exploded_streak[col] = 0
+        self.judged[col] += 1
+        if top != top:
+            return float("nan")
+        return value / top if top else (float("inf") if value else float("nan"))
 
     def judge_window(self, table: np.ndarray, steps: list[int], cols: list[int], names: list[str],
                      stands: Callable[[int, np.ndarray, np.ndarray], np.ndarray] | None = None,

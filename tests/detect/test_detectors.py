@@ -429,3 +429,31 @@ def test_a_return_to_where_a_column_has_been_is_not_exploding():
     assert _judge_series(collapse + [0.8] + calm_after, HealthConfig()) == []
     # Above the largest of its last 50 calm steps, the same jump is exploding.
     assert _judge_series(collapse + [1.5] + calm_after, HealthConfig()) == [25]
+
+
+def test_the_per_step_shortcut_of_the_exploding_rule_decides_as_the_full_judgement():
+    # ExplodingRule.judge_step decides the common calm case on Python floats (it runs at every
+    # step); on random series with spikes, level shifts, zeros and scales from 1e-8 to 1e2 it must
+    # flag the same steps, give the same jumps and leave the same rings as judge_row alone.
+    import numpy as np
+
+    from gradwatch.detect.exploding import ExplodingRule
+
+    config, rng = HealthConfig(), np.random.default_rng(0)
+    flagged = 0
+    for _ in range(30):
+        values = np.exp(rng.normal(0, rng.uniform(0.05, 1.5), 300)) * 10 ** rng.uniform(-8, 2)
+        for _ in range(rng.integers(0, 4)):
+            k = rng.integers(0, 300)
+            values[k : k + rng.integers(1, 80)] *= 10 ** rng.uniform(0.5, 4)
+        values[rng.integers(0, 300)] = 0.0
+        shortcut, full = ExplodingRule(config, 2), ExplodingRule(config, 2)
+        for step, value in enumerate(values.tolist()):
+            finding, jump = shortcut.judge_step(step, value, 1, "")
+            verdict = full.judge_row(np.array([value]), np.array([1]))
+            assert (finding is not None) == bool(verdict.over[0]), (step, value)
+            np.testing.assert_equal(jump, verdict.jumps[0])
+            flagged += finding is not None
+        for ring in ("level", "recent", "last_calm", "judged", "exploded_streak", "level_slot", "recent_slot"):
+            np.testing.assert_array_equal(getattr(shortcut, ring), getattr(full, ring))
+    assert flagged > 10  # the series do explode: both paths were exercised
