@@ -11,7 +11,7 @@ healthy recipes chosen to fool naive rules (warm-up and cosine decay, dropout, c
 imbalance of 95% and 99% (SGD and Adam), batch size 1 and 2, a plateau of random labels, a high start that settles, a step
 decay, layer scale 1e-6, zero-initialised gates, a loss weight ramped x30, a layer unfrozen
 mid-run, float16 autocast with a GradScaler that recalibrates, a converging exact-fit regression, zero_grad that
-keeps idle experts' zeros, 5000 steps of a narrow MLP regressed to zero: a slow collapse). Each seed draws the optimizer (SGD with
+keeps idle experts' zeros, 5000 steps regressed to zero: a slow collapse, in every family but the mixture of experts). Each seed draws the optimizer (SGD with
 momentum, Adam, AdamW), flush_every (10 or 25) and the fault step.
 
 Faults, injected at step ``f``:
@@ -283,6 +283,8 @@ HEALTHY = [
     Recipe("zero_grad(set_to_none=False) (idle experts keep zeros), AdamW", "adamw", keep_grads=True),
     Recipe("5000 steps of a narrow MLP regressed to zero, Adam (a slow collapse)", "adam", labels="zero", noisy=True,
            steps=5000, only=("mlp",), width=16),
+    Recipe("5000 steps regressed to zero, Adam (a slow collapse)", "adam", labels="zero", noisy=True,
+           steps=5000, only=("cnn", "resmlp", "gru", "transformer")),
 ]
 _LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
 
