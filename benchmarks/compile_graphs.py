@@ -145,8 +145,9 @@ def run(build: Case, monitored: bool, steps: int = 12, dynamic: bool | None = No
     return result
 
 
-def hf_trainer(monitored: bool) -> dict[str, object]:
-    """TrainingArguments(torch_compile=True) on a tiny GPT-2 (the Trainer sets use_cache from its arguments: False)."""
+def hf_trainer(monitored: bool, use_cache: bool = False) -> dict[str, object]:
+    """TrainingArguments(torch_compile=True) on a tiny GPT-2 (the Trainer sets the model's use_cache from
+    its arguments: False by default)."""
     import transformers
 
     from gradwatch.hf import GradWatchCallback
@@ -160,7 +161,7 @@ def hf_trainer(monitored: bool) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as out:
         args = transformers.TrainingArguments(output_dir=out, max_steps=12, per_device_train_batch_size=2, report_to=[],
                                               torch_compile=True, torch_compile_backend="aot_eager", use_cpu=True,
-                                              save_strategy="no", logging_strategy="no")  # fmt: skip
+                                              save_strategy="no", logging_strategy="no", use_cache=use_cache)  # fmt: skip
         callbacks = [GradWatchCallback(flush_every=6)] if monitored else []
         transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks).train()
     return {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
@@ -181,6 +182,7 @@ CASES: dict[str, Callable[[bool], dict[str, object]]] = {
     "GPT-2 (tiny), use_cache=True, regional (each block compiled)": lambda m: run(gpt2(True), m, regional=True),
     "Llama (tiny), use_cache=True, fullgraph=True": lambda m: run(llama(True), m, fullgraph=True),
     "HF Trainer, torch_compile=True, GPT-2": hf_trainer,
+    "HF Trainer, torch_compile=True, use_cache=True, GPT-2": lambda m: hf_trainer(m, use_cache=True),
     "MLP, dynamic=False, 5 batch sizes, 60 steps": lambda m: run(mlp_batches((8, 16, 24, 32, 40)), m, 60, False),
     "MLP, dynamic=None, batch sizes 8/16/24/32": lambda m: run(mlp_batches((8, 16, 24, 32)), m, 24),
     "MLP, dynamic=True, batch sizes 8/16/24/32": lambda m: run(mlp_batches((8, 16, 24, 32)), m, 24, True),

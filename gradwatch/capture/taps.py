@@ -452,9 +452,10 @@ class OutputTap:
         ``torch.cond`` may not write its inputs)."""
         count, stats = self.sampled_count, self.grad_stats
         self.calls.add_(count)
-        if _compat.in_compiled_autograd():
-            # Compiled autograd traces this hook into its own graph, where torch.cond fails: computed
-            # at every step, kept where this device's flag says so (a non-finite value cannot leak).
+        if _compat.in_compiled_autograd() or not _compat.COND_IN_HOOKS:
+            # Compiled autograd traces this hook into its own graph, where torch.cond fails (and a
+            # torch before 2.13 is untested with it): computed at every step, kept where this
+            # device's flag says so (a non-finite value cannot leak).
             sq, evidence = stats.deltas(g)
             sq, evidence = torch.where(self.sampled, sq, 0.0), torch.where(self.sampled, evidence, 0.0)
         else:

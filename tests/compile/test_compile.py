@@ -159,11 +159,16 @@ def test_every_statistic_inside_compiled_code_equals_the_eager_twin(mode):
     assert w.rows_seen[LAYERS.index("inp")] == 3 * 8
 
 
-def test_default_detail_records_sampled_steps_inside_compiled_code_and_nothing_of_the_others():
+@pytest.mark.parametrize("branch", [True, False], ids=["cond-branch", "masked"])
+def test_default_detail_records_sampled_steps_inside_compiled_code_and_nothing_of_the_others(branch, monkeypatch):
     # Windows of 6: steps 0, 1 and 6, 7 sampled. Inside compiled code every step runs one graph;
     # unsampled steps compute no output-gradient statistic (a branch on the host's flag) and add
     # zeros: the infinite output gradients of unsampled step 3 must not reach steps 6 and 7, whose
-    # values equal the eager twin's. grad_norm is recorded at every step.
+    # values equal the eager twin's. grad_norm is recorded at every step. "masked": the path of a
+    # torch without torch.cond in hooks (computed at every step, kept where the flag says).
+    import gradwatch._compat as compat
+
+    monkeypatch.setattr(compat, "COND_IN_HOOKS", branch)
     torch.manual_seed(0)
     model = Net()
     twin = copy.deepcopy(model)
