@@ -99,7 +99,7 @@ class StepPipeline:
         finally:
             recorder.reset_window()
             self.units_probe.reset()
-            self.judge.fell_silent = False  # the new window's sampled steps see it anyway
+            self.judge.fell_silent = None  # the new window's sampled steps see it anyway
             self._fresh_evidence = False
         if window is None:
             return early
@@ -126,13 +126,19 @@ class StepPipeline:
         unit at once), the rest of the window is recorded in full on fresh evidence; when the
         window's first sampled steps found a layer dead, the rest of it is recorded in full."""
         recorder, probe = self.recorder, self.units_probe
-        silent, self.judge.fell_silent = self.judge.fell_silent, False
-        if silent and probe.enabled and not self._fresh_evidence:  # once a window: evidence is not wiped again
-            self._fresh_evidence = True
-            recorder.sample_rest_of_window(fresh=True)
-            return
+        silent, self.judge.fell_silent = self.judge.fell_silent, None
+        if silent is not None and silent.any():
+            recorder.suspect_dead_units(silent)
+            if probe.enabled and not self._fresh_evidence:  # once a window: evidence is not wiped again
+                self._fresh_evidence = True
+                recorder.sample_rest_of_window(fresh=True)
+                return
         evidence = self.failures.guarded("the dead-unit check", lambda: probe.after_step(recorder.slot - 1))
-        if evidence is not None and self.checks.dead.worth_confirming(*evidence, recorder.layout.unit_count):
+        if evidence is None:
+            return
+        worth = self.checks.dead.worth_confirming(*evidence, recorder.layout.unit_count)
+        if worth.any():
+            recorder.suspect_dead_units(worth)
             recorder.sample_rest_of_window()
 
     def _before_reading(self) -> list[Alert]:
@@ -142,7 +148,13 @@ class StepPipeline:
         skipping = self.checks.scaler_skips.streak > 0  # a GradScaler skipping: the optimizer does not step
         watch.check_optimizer_steps(self.recorder.updates, self.window_steps, self.flush_every, skipping)
         watch.check_unfrozen()
-        return self.judge.finish_window(self.window_steps) if self.per_step else []
+        if not self.per_step:
+            return []
+        alerts = self.judge.finish_window(self.window_steps)
+        silent = self.judge.fell_silent  # judged only now: too late to record more, not to be noted
+        if silent is not None and silent.any():
+            self.recorder.suspect_dead_units(silent)
+        return alerts
 
     def _histogram_grads(self) -> list[tuple[str, list]]:
         named = [(layer.name, [p.grad for p in layer.params if p.grad is not None]) for layer in self.layers]

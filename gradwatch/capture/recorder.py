@@ -22,7 +22,7 @@ from .layers import LayerSpec
 from ..registry import accumulator_count
 from ..registry.states import (
     OUT_STATS, FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, SAMPLE_UPDATE_SQ,
-    SAMPLE_WEIGHT_SQ, STEP_FAILED, STEP_UNSAMPLED, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ,
+    SAMPLE_WEIGHT_SQ, STEP_FAILED, STEP_UNSAMPLED, UNIT_ACC, DEAD_SUSPECTED, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ,
 )  # fmt: skip
 from .layout import Layout
 from .param_stats import ParamStats, StepRows
@@ -227,6 +227,12 @@ class Recorder:
         self.slot = 0
         self.layout.start_window()
         self.plan.sampling = True
+
+    def suspect_dead_units(self, layers: np.ndarray) -> None:
+        """Record in the window that this rank asked to confirm the dead units of ``layers`` (bool
+        per layer): reduced with the window, so that every rank's rule backs off from the same record."""
+        suspected = self._host[DEAD_SUSPECTED]
+        suspected[np.asarray(layers, dtype=bool)] = 1
 
     def sample_rest_of_window(self, fresh: bool = False) -> None:
         """Record every statistic at every remaining step of this window, from the next one on.

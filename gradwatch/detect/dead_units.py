@@ -57,8 +57,6 @@ class DeadUnitsRule:
         #: layers whose sampled steps said dead: judged again on every step of the next window(s)
         self.confirming = np.zeros(n, dtype=bool)
         self.confirm_windows = np.zeros(n, dtype=np.int64)  # windows spent confirming without a verdict
-        #: layers whose evidence in this window asked for the rest of it in full (worth_confirming, fell_silent)
-        self.suspected = np.zeros(n, dtype=bool)
         self.cooldown = np.zeros(n, dtype=np.int64)  # windows before a layer may be confirmed again
         self.found_alive = np.zeros(n, dtype=np.int64)  # confirmations in a row that found the layer alive
         # The same for the model: many layers near the threshold (a deep ReLU stack) would take turns
@@ -80,7 +78,9 @@ class DeadUnitsRule:
         if w.unit_alive is None or w.rows_seen is None:
             return findings
         every_step = w.sampled is None or confirms_itself(w.sampled)
-        suspected, self.suspected = self.suspected | self.confirming, np.zeros_like(self.suspected)
+        # What the ranks asked together (the window's reduced record), so every rank backs off alike.
+        asked = w.dead_suspected if w.dead_suspected is not None else np.zeros(len(self.layers), dtype=bool)
+        suspected = asked | self.confirming
         self.cooldown = np.maximum(self.cooldown - 1, 0)
         self.quiet_for = max(0, self.quiet_for - 1)
         self.confirm_windows = np.where(self.confirming, self.confirm_windows + 1, 0)
@@ -128,10 +128,11 @@ class DeadUnitsRule:
                 self.quiet_confirmations += 1
         return findings
 
-    def worth_confirming(self, fractions: np.ndarray, rows_seen: np.ndarray, unit_counts: np.ndarray) -> bool:
-        """Whether a window's first sampled steps (``fractions`` dead and ``rows_seen`` per layer)
-        show a layer dead on enough samples to record the rest of the window in full (every unit
-        dead is conclusive as it is: nothing to confirm)."""
+    def worth_confirming(self, fractions: np.ndarray, rows_seen: np.ndarray, unit_counts: np.ndarray) -> np.ndarray:
+        """The layers whose window's first sampled steps (``fractions`` dead and ``rows_seen`` per layer)
+        show them dead on enough samples to record the rest of the window in full (every unit dead is
+        conclusive as it is: nothing to confirm); bool per layer. The caller records the request in
+        the window (``Recorder.suspect_dead_units``): the flush's judgement backs off from that."""
         cfg = self.config
         with np.errstate(invalid="ignore"):
             judged = (unit_counts >= cfg.dead_min_units) & (rows_seen >= cfg.dead_min_samples)
@@ -143,18 +144,15 @@ class DeadUnitsRule:
             borderline = worth & ~strong
             if self.quiet_for > 0 or int(borderline.sum()) > MAX_BORDERLINE:
                 worth &= strong
-        self.suspected |= worth
-        return bool(worth.any())
+        return worth
 
-    def fell_silent(self, silent: np.ndarray, unit_counts: np.ndarray, rms_peak: np.ndarray) -> bool:
-        """Whether a layer judged for dead units (``unit_counts``), whose gradient was non-zero before
-        (``rms_peak``: the highest median gradient RMS each layer had), had an exactly zero gradient at
-        a step where it ran (``silent``): every unit dead at once, worth recording the rest of the
-        window in full on fresh evidence."""
+    def fell_silent(self, silent: np.ndarray, unit_counts: np.ndarray, rms_peak: np.ndarray) -> np.ndarray:
+        """The layers judged for dead units (``unit_counts``), whose gradient was non-zero before
+        (``rms_peak``: the highest median gradient RMS each layer had), that had an exactly zero
+        gradient at a step where they ran (``silent``): every unit dead at once, worth recording the
+        rest of the window in full on fresh evidence; bool per layer (recorded as for ``worth_confirming``)."""
         with np.errstate(invalid="ignore"):
-            fell = silent & (unit_counts >= self.config.dead_min_units) & (rms_peak > 0) & (self.cooldown == 0)
-        self.suspected |= fell
-        return bool(fell.any())
+            return silent & (unit_counts >= self.config.dead_min_units) & (rms_peak > 0) & (self.cooldown == 0)
 
     def pending_all_dead(self, i: int) -> bool:
         """Layer ``i``'s evidence, too little to judge yet, says every unit is dead so far."""

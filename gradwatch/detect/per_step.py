@@ -40,7 +40,7 @@ class StepJudge:
         self._window_order: list[int] = []  # the window's latest forward order
         #: a layer that had a gradient fell silent at a judged step (all its units dead at once):
         #: the pipeline then records the rest of the window in full, on fresh dead-unit evidence
-        self.fell_silent = False
+        self.fell_silent: np.ndarray | None = None
         self._silent: np.ndarray | None = None  # [L] layers silent at the last judged step (None: none)
 
     def judge(self, slot: int | None, steps: list[int], wait: bool = False) -> list[Alert]:
@@ -59,8 +59,8 @@ class StepJudge:
                 if summary.zero_grad and not values.failed:
                     silent = silent_layers(values, self._layout)
                     fell = silent if self._silent is None else silent & ~self._silent  # silent now, not before
-                    self.fell_silent |= self._checks.dead.fell_silent(fell, self._layout.unit_count,
-                                                                      self._checks.vanishing.rms_peak)  # fmt: skip
+                    fell = self._checks.dead.fell_silent(fell, self._layout.unit_count, self._checks.vanishing.rms_peak)
+                    self.fell_silent = fell if self.fell_silent is None else self.fell_silent | fell
                 self._silent = silent
                 if values.failed or values.slot >= len(steps):
                     continue

@@ -40,6 +40,8 @@ class Window:
     steps_judged: np.ndarray | None = None
     #: [layer] bool per unit: its output gradient was not zero for some sample (None: not judged)
     unit_alive: list[np.ndarray | None] | None = None
+    #: bool [layer]: some rank recorded the rest of this window in full to confirm the layer's dead units
+    dead_suspected: np.ndarray | None = None
     #: bool [step]: every statistic was recorded (detail="standard" samples some steps;
     #: the others have grad_norm, the forward check and no grad_max / output gradients)
     sampled: np.ndarray | None = None

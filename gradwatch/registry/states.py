@@ -69,6 +69,7 @@ OUT_STATS = "out_stats"
 STEP_FAILED = "step_failed"
 STEP_UNSAMPLED = "step_unsampled"
 UNIT_ACC = "unit_acc"
+DEAD_SUSPECTED = "dead_suspected"
 UPDATE_SQ = "update_sq"
 WEIGHT_SQ = "weight_sq"
 UPDATE_SEEN = "update_seen"
@@ -104,6 +105,11 @@ STATES: tuple[StateDecl, ...] = (
               description="ranks on which the step was not sampled (recorded the per-step statistics only)"),
     StateDecl(UNIT_ACC, ("unit",), "sum", union_index="unit", union_weight="unit",
               description="per unit, over the window: zero exactly for dead units"),
+    # Each rank asks for a mid-window confirmation from its own rows; the rule's back-off must
+    # follow what the ranks asked together, or their schedules (and their sampled steps) drift apart.
+    StateDecl(DEAD_SUSPECTED, ("layer",), "sum", host=True, union_index="layer",
+              description="per layer, over the window: ranks that recorded the rest of the window in full to "
+                          "confirm its dead units"),
     StateDecl(UPDATE_SQ, ("update_step", "param"), "sum", "unless_sharded", union_index="param",
               union_weight="column", needs="updates", description="per tensor: ||w_after - w_before||^2"),
     StateDecl(WEIGHT_SQ, ("update_step", "param"), "sum", "unless_sharded", union_index="param",

@@ -19,8 +19,8 @@ import numpy as np
 from . import outputs
 from .outputs import accumulator_count, decode_all
 from .states import (
-    FWD_ORDER, FWD_SUM, OUT_GRAD, OUT_STATS, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, SAMPLE_UPDATE_SQ,
-    SAMPLE_WEIGHT_SQ, STEP_FAILED, STEP_UNSAMPLED, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ,
+    DEAD_SUSPECTED, FWD_ORDER, FWD_SUM, OUT_GRAD, OUT_STATS, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ,
+    SAMPLE_UPDATE_SQ, SAMPLE_WEIGHT_SQ, STEP_FAILED, STEP_UNSAMPLED, UNIT_ACC, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ,
 )  # fmt: skip
 
 
@@ -274,6 +274,8 @@ STATISTICS: tuple[Statistic, ...] = (
     Statistic("steps_judged", lambda d: (d.samples_judged > 0).sum(axis=0).astype(np.int64),
               description="distinct steps behind rows_seen"),
     Statistic("unit_alive", lambda d: d.dead_units[1], description="per unit: its output gradient was not always zero"),
+    Statistic("dead_suspected", lambda d: d.host[DEAD_SUSPECTED] > 0,
+              description="a rank recorded the rest of the window in full to confirm the layer's dead units"),
     Statistic("skipped", _skipped, description="GradScaler skipped the optimizer step"),
     *(Statistic(name, lambda d, name=name: d.updates and d.updates[name])
       for name in ("judged_update_ratio", "judged_weight_rms")),  # fmt: skip

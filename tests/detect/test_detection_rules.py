@@ -580,8 +580,9 @@ def test_the_dead_unit_back_off_survives_a_checkpoint_matched_by_layer_name():
     # in a fresh rule, not in the resumed one (cooling down)
     fractions = np.array([0.0, config.dead_fraction + 0.01, 0.0, 0.0])
     rows, units = np.full(4, config.dead_min_samples), np.full(4, max(config.dead_min_units, 16))
-    assert DeadUnitsRule(config, ["c", "b", "a", "new"]).worth_confirming(fractions, rows, units)
-    assert not resumed.worth_confirming(fractions, rows, units)
+    assert DeadUnitsRule(config, ["c", "b", "a", "new"]).worth_confirming(fractions, rows, units).tolist() == [
+        False, True, False, False]
+    assert not resumed.worth_confirming(fractions, rows, units).any()
     old = DeadUnitsRule(config, ["a"])
     old.load_state_dict({"confirming": ["a"]})  # a checkpoint of an earlier version: nothing backing off
     assert old.confirming.tolist() == [True] and old.cooldown.tolist() == [0] and old.quiet_for == 0

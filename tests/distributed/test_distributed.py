@@ -164,3 +164,14 @@ def test_ranks_that_disagree_on_a_confirmation_confirm_nothing_until_they_agree(
         assert all(second["sampled"]) and second["own_dead_fraction"] == 0.75
         assert [(kind, layer, step) for kind, layer, step, _ in rank["alerts"]] == [("dead_units", "0", 49)]
     assert ranks[0]["windows"] == ranks[1]["windows"]
+
+
+def test_ranks_that_confirm_different_layers_back_off_alike(gloo):
+    # Both ranks record the rest of the first window in full, each to confirm a different gate; the
+    # reduced window finds both alive. The back-off must follow what the ranks asked together (the
+    # window's record), not each rank's own request, or their schedules and sampled steps drift apart.
+    ranks = gloo("tests.distributed.dead_units_worker:crossed", 2)
+    assert all(ranks[0]["sampled"][0]) and all(ranks[1]["sampled"][0])
+    assert ranks[0]["states"] == ranks[1]["states"]
+    cooldown = ranks[0]["states"][0]["dead_cooldown"]
+    assert set(cooldown) == {"a", "b"}, cooldown  # both gates were confirmed alive: both wait
