@@ -268,13 +268,14 @@ def test_buffer_memory_does_not_grow():
         model.zero_grad()
         sizes.append(monitor.buffer_bytes)
     assert len(set(sizes)) == 1
-    # float64, declared at attach: per step 4 values per parameter tensor (4 tensors), 5 per
-    # layer (2 layers), a failure mark, an unsampled mark and the activation statistics' 3 accumulators per layer
-    # (elements, sum of squares, zeros), over 3 steps; per window 9 units. The step's cells: the
-    # first-call clock and 3 backward values per layer, the units, the clock, 3 accumulators per
-    # layer, the sampled-step flag as a number; in float32 the forward check's sum per layer and the
-    # projection weights (16384); the sampled-step flag as a bool (1 byte).
-    assert sizes[0] == (8 * (3 * (4 * 4 + 5 * 2 + 2 + 3 * 2) + 9) + 8 * (4 * 2 + 9 + 1 + 3 * 2 + 1)
+    # float64, declared at attach: per step 4 values per parameter tensor (4 tensors), 5 per layer
+    # (2 layers), a failure mark, an unsampled mark and the activation statistics' 3 accumulators
+    # per layer (elements, sum of squares, zeros), over 3 steps; per window 9 units and a dead-unit
+    # request mark per layer. The step's cells: the first-call clock and 3 backward values per
+    # layer, the units, the clock, 3 accumulators per layer, the sampled-step flag as a number; in
+    # float32 the forward check's sum per layer and the projection weights (16384); the
+    # sampled-step flag as a bool (1 byte).
+    assert sizes[0] == (8 * (3 * (4 * 4 + 5 * 2 + 2 + 3 * 2) + 9 + 2) + 8 * (4 * 2 + 9 + 1 + 3 * 2 + 1)
                         + 4 * (2 + 16384) + 1)  # fmt: skip
     monitor.close()
 

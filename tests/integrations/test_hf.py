@@ -102,18 +102,15 @@ def test_statistics_are_of_the_gradients_before_clipping_at_the_trainers_steps(t
 
 
 @pytest.mark.slow
-def test_torch_compile_records_every_statistic(tmp_path, caplog):
+def test_torch_compile_records_every_statistic(tmp_path):
     import torch._dynamo
 
     reference = _RawOutNorms()
     _train(tmp_path / "eager", [reference], max_grad_norm=1.0, steps=4)
     torch._dynamo.reset()
     watch = GradWatchCallback(flush_every=2, detail="full")
-    with caplog.at_level(logging.WARNING, logger="gradwatch"):
-        _train(tmp_path / "compiled", [watch], max_grad_norm=1.0, steps=4, torch_compile=True,
-               torch_compile_backend="aot_eager")  # fmt: skip
-    # the Trainer sets the model's use_cache from TrainingArguments (False by default): nothing to say
-    assert not [r for r in caplog.records if "use_cache=True" in r.getMessage()]
+    _train(tmp_path / "compiled", [watch], max_grad_norm=1.0, steps=4, torch_compile=True,
+           torch_compile_backend="aot_eager")  # fmt: skip
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the Trainer ran compiled code
     scalars = read_scalars(str(tmp_path / "compiled" / "gradwatch"))
     for step, layers in reference.norms.items():
