@@ -126,13 +126,11 @@ class StepPipeline:
         unit at once), the rest of the window is recorded in full on fresh evidence; when the
         window's first sampled steps found a layer dead, the rest of it is recorded in full."""
         recorder, probe = self.recorder, self.units_probe
-        silent, self.judge.fell_silent = self.judge.fell_silent, None
-        if silent is not None and silent.any():
-            recorder.suspect_dead_units(silent)
-            if probe.enabled and not self._fresh_evidence:  # once a window: evidence is not wiped again
-                self._fresh_evidence = True
-                recorder.sample_rest_of_window(fresh=True)
-                return
+        # (taken first, always: a silent layer is noted whether or not its evidence is wiped)
+        if self._take_fell_silent() and probe.enabled and not self._fresh_evidence:  # wiped once a window
+            self._fresh_evidence = True
+            recorder.sample_rest_of_window(fresh=True)
+            return
         evidence = self.failures.guarded("the dead-unit check", lambda: probe.after_step(recorder.slot - 1))
         if evidence is None:
             return
@@ -151,10 +149,17 @@ class StepPipeline:
         if not self.per_step:
             return []
         alerts = self.judge.finish_window(self.window_steps)
-        silent = self.judge.fell_silent  # judged only now: too late to record more, not to be noted
-        if silent is not None and silent.any():
-            self.recorder.suspect_dead_units(silent)
+        self._take_fell_silent()  # judged only now: too late to record more, not to be noted
         return alerts
+
+    def _take_fell_silent(self) -> bool:
+        """Whether a layer fell silent at a step judged since the last call; such layers are noted in
+        the window as asked to be confirmed (``Recorder.suspect_dead_units``)."""
+        silent, self.judge.fell_silent = self.judge.fell_silent, None
+        if silent is None or not silent.any():
+            return False
+        self.recorder.suspect_dead_units(silent)
+        return True
 
     def _histogram_grads(self) -> list[tuple[str, list]]:
         named = [(layer.name, [p.grad for p in layer.params if p.grad is not None]) for layer in self.layers]

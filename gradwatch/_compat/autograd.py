@@ -49,12 +49,7 @@ def in_compiled_autograd() -> bool:
     return bool(getattr(module, "in_compiled_autograd_region", False) or getattr(config, "compiled_autograd", False))
 
 
-def _release(version: str) -> tuple[int, int]:
-    major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
-
-
 #: ``torch.cond`` traced inside a backward tensor hook, on a CPU predicate, as compiled taps use it:
 #: measured on torch 2.13 only (earlier releases call cond a prototype "without training support");
 #: elsewhere compiled taps compute the output-gradient statistics at every step and mask them.
-COND_IN_HOOKS = _release(torch.__version__) >= (2, 13)
+COND_IN_HOOKS = torch.__version__ >= (2, 13)  # torch's TorchVersion: a 2.13 pre-release counts as older

@@ -188,10 +188,9 @@ def at_recompile_limit(codes: Iterable[types.CodeType]) -> list[tuple[str, int, 
         except Exception:
             continue
         if count >= limit:
-            name = getattr(code, "co_qualname", code.co_name)
             if code.co_filename.endswith("external_utils.py"):  # what torch.compile(nn.Sequential(...)) compiles
                 name = "the compiled torch.nn model's forward (dynamo's wrap_inline)"
-                full.append((name, count, limit))
-                continue
-            full.append((f"{name} ({code.co_filename}:{code.co_firstlineno})", count, limit))
+            else:
+                name = f"{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}:{code.co_firstlineno})"
+            full.append((name, count, limit))
     return full

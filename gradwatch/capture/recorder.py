@@ -127,7 +127,8 @@ class Recorder:
         slot = self.slot
         plan = self.plan
         sampled = plan.sampling
-        self._host[STEP_UNSAMPLED][slot] = 0.0 if self.layout.is_sampled(slot) else 1.0
+        full = self.layout.is_sampled(slot)
+        self._host[STEP_UNSAMPLED][slot] = 0.0 if full else 1.0
         try:
             if plan.failed:
                 self._report_tap_failure()
@@ -136,7 +137,7 @@ class Recorder:
                 scale = scale.to(self._dtype)
             for moves in self._moves:
                 moves.into_row(slot, sampled, scale, self._units_window, not self.project_units)
-            rows = (self._full_rows if self.layout.is_sampled(slot) else self._param_rows)[slot]
+            rows = (self._full_rows if full else self._param_rows)[slot]
             self.param_stats.record(rows, self._host[PARAM_PRESENT][slot])
             if params_scaled and scale is not None:
                 rows.sq.div_(scale.square())
