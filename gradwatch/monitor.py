@@ -54,7 +54,8 @@ class GradMonitor:
 
     Raises:
         TypeError, ValueError: a wrong argument, or a sharding gradwatch cannot read (FSDP1 without
-            ``use_orig_params``, DeepSpeed ZeRO 3: ``UnsupportedSharding``), naming the fix.
+            ``use_orig_params``; DeepSpeed ZeRO 3 before ``deepspeed.initialize``:
+            ``UnsupportedSharding``), naming the fix.
     """
 
     def __init__(self, model: nn.Module, *, logdir: str | None = None, writer: Any = None, flush_every: int = 50,

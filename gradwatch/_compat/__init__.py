@@ -1,7 +1,7 @@
 """Every private or unstable torch API gradwatch reads, one module per concern, each with its
 fallback: ``dynamo`` (compiled code and gradwatch's hooks, the user's names), ``amp`` (GradScaler
 state without a sync), ``autograd`` (where a forward call runs), ``parallel`` (tensor parallelism
-and FSDP2 layouts), ``fsdp1`` (the user's parameters inside FSDP1's flat shards), ``deepspeed`` (ZeRO 1/2 gradient fragments; stage 3 recognised, to refuse it). Elsewhere gradwatch uses only what torch's own utilities use the same way
+and FSDP2 layouts), ``fsdp1`` (the user's parameters inside FSDP1's flat shards), ``deepspeed`` (ZeRO 1, 2 and 3: each rank's fragment of the reduced gradient). Elsewhere gradwatch uses only what torch's own utilities use the same way
 (``torch._foreach_*`` kernels as in ``clip_grad``, ``torch._C._set_grad_enabled``) and tensors'
 version counters (``capture/freshness.py``)."""
 

@@ -44,8 +44,8 @@ class LayerSpec:
     #: per parameter, how many distinct pieces of its gradient the world holds when FSDP1 shards it
     #: (``_compat.fsdp1``), else 0 (whole, or a DTensor that says so itself)
     pieces: list[int] = dataclasses.field(default_factory=list)
-    #: per parameter: DeepSpeed ZeRO (stage 1 or 2) keeps its gradient, partitioned over ``pieces``
-    #: ranks, in its own buffers (``_compat.deepspeed.local_gradient``); the parameter stays whole
+    #: per parameter: DeepSpeed ZeRO keeps its gradient, partitioned over ``pieces`` ranks, in its
+    #: own buffers (``_compat.deepspeed.local_gradient``); under stage 3 the parameter is partitioned too
     zero: list[bool] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -109,7 +109,7 @@ def discover_layers(
                 seen.add(id(p))
                 own.append(p)
         if own:
-            shapes = [sharded[id(p)].shape if id(p) in sharded else tuple(int(s) for s in p.shape) for p in own]
+            shapes = [_whole_shape(p, sharded) for p in own]
             pieces = [sharded[id(p)].pieces if id(p) in sharded else 0 for p in own]
             units = declared_units(module, own, shapes)
             candidates.append(LayerSpec(name or ROOT_NAME, module, own, isinstance(module, _CHANNEL_FIRST), units,
@@ -136,9 +136,17 @@ def discover_layers(
     return candidates
 
 
+def _whole_shape(p: nn.Parameter, sharded: dict) -> tuple[int, ...]:
+    """The parameter's whole shape: FSDP1 and ZeRO 3 leave each rank a piece or an empty placeholder."""
+    if id(p) in sharded:
+        return sharded[id(p)].shape
+    zero3 = compiled.deepspeed.whole_shape(p)
+    return zero3 if zero3 is not None else tuple(int(s) for s in p.shape)
+
+
 def _mark_zero(candidates: list[LayerSpec]) -> None:
-    """DeepSpeed ZeRO 1/2: gradients partitioned over the ranks, read as pieces (``LayerSpec.zero``);
-    ZeRO 3 raises ``UnsupportedSharding``."""
+    """DeepSpeed ZeRO: gradients partitioned over the ranks, read as pieces (``LayerSpec.zero``);
+    ZeRO-3 parameters no optimizer holds yet raise ``UnsupportedSharding``."""
     zero = compiled.deepspeed.partitioned_gradients(p for c in candidates for p in c.params)
     for c in candidates:
         c.zero = [id(p) in zero for p in c.params]

@@ -81,7 +81,7 @@ class _Columns:
         self.shapes: list[tuple[int, ...]] = []  # whole shapes (FSDP1 pieces: the parameter's)
         self.pieces: list[int] = []  # FSDP1 / ZeRO pieces of the gradient over the ranks (0: whole)
         self.sparse_capable: set[int] = set()  # Embedding(sparse=True): reduced one by one
-        #: DeepSpeed ZeRO 1/2 parameters: whole, their gradients this rank's fragment in ZeRO's buffers
+        #: DeepSpeed ZeRO parameters: their gradients this rank's fragment in ZeRO's buffers
         self.zero_ids: set[int] = set()
         for index, layer in enumerate(layers):
             may_be_sparse = bool(getattr(layer.module, "sparse", False))

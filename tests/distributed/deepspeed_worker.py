@@ -2,25 +2,42 @@
 
     gloo("tests.distributed.deepspeed_worker:body", 2)  (the gloo fixture: tests/conftest.py)
 
-Stages 1 and 2: gradwatch's per-layer grad_norm and grad_max, against the whole (averaged)
-gradient DeepSpeed assembles itself (``deepspeed.utils.safe_get_full_grad``, an all-reduce per
+Stages 1, 2 and 3: gradwatch's per-layer grad_norm and grad_max, against the whole (averaged)
+gradient DeepSpeed assembles itself (``deepspeed.utils.safe_get_full_grad``, a collective per
 parameter), read between ``engine.backward`` and ``engine.step``; every ``p.grad`` is None there
-(what gradwatch cannot read). Stage 3: refused at attach, the engine and the module inside it.
+(what gradwatch cannot read); out_grad_norm against the root-sum-square over the ranks of the
+output gradients the test retains itself. Layer "2" has 15 units (ZeRO 3 pads its last partition) and "scale"
+a 1-D gain only (its units from its whole shape: under ZeRO 3 the parameter itself is empty).
+ZeRO 3 before ``deepspeed.initialize`` (``deepspeed.zero.Init``): refused at attach.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 
 import torch
 from torch import nn
 
-LAYERS = ("0", "2", "4")
+LAYERS = ("0", "2", "scale", "4")
+
+
+class Gain(nn.Module):
+    """A learned per-unit gain: its unit count is the length of its 1-D weight."""
+
+    def __init__(self, units: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, units))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
 
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    layers = [("0", nn.Linear(8, 16)), ("1", nn.ReLU()), ("2", nn.Linear(16, 15)), ("scale", Gain(15)),
+              ("3", nn.ReLU()), ("4", nn.Linear(15, 3))]  # fmt: skip
+    return nn.Sequential(collections.OrderedDict(layers))
 
 
 def _engine(stage: int, world: int):
@@ -41,10 +58,13 @@ def body(rank: int, world: int) -> dict:
     from gradwatch import GradMonitor
     from gradwatch._compat.deepspeed import local_gradient
 
+    from ..reference import RetainedOutputs
+
     results = {}
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         engine, model = _engine(stage, world)
         monitor = GradMonitor(model, flush_every=4, detail="full")
+        capture = RetainedOutputs(model, list(LAYERS))
         steps = []
         for step in range(2):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
@@ -54,25 +74,40 @@ def body(rank: int, world: int) -> dict:
             monitor.step()
             whole = {name: torch.cat([safe_get_full_grad(p).reshape(-1).double()
                                       for p in model.get_submodule(name).parameters()]) for name in LAYERS}  # fmt: skip
-            steps.append({"grads_none": grads_none, "held": held, "total": sum(p.numel() for p in model.parameters()),
-                          "expected": {n: {"grad_norm": float(g.norm()), "grad_max": float(g.abs().max())}
-                                       for n, g in whole.items()}})  # fmt: skip
+            # out_grad_norm: the root-sum-square over both ranks of this rank's output gradients
+            out_sq = torch.tensor([capture.norm(n) ** 2 for n in LAYERS], dtype=torch.float64)
+            torch.distributed.all_reduce(out_sq)
+            capture.clear()
+            expected = {n: {"grad_norm": float(g.norm()), "grad_max": float(g.abs().max()),
+                            "out_grad_norm": float(out_sq[i].sqrt())} for i, (n, g) in enumerate(whole.items())}  # fmt: skip
+            total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO 3: the whole size
+            steps.append({"grads_none": grads_none, "held": held, "total": total, "expected": expected})
             engine.step()
+        capture.remove()
         calls_before_flush = dict(monitor._collectives.calls)
         monitor.close()
         w = monitor.last_window
         for t, record in enumerate(steps):
-            record["got"] = {n: {s: float(getattr(w, s)[t, w.layers.index(n)]) for s in ("grad_norm", "grad_max")}
+            record["got"] = {n: {s: float(getattr(w, s)[t, w.layers.index(n)]) for s in record["expected"][n]}
                              for n in LAYERS}  # fmt: skip
         results[str(stage)] = {"steps": steps, "layers": w.layers, "calls_before_flush": calls_before_flush,
-                               "calls": dict(monitor._collectives.calls), "alerts": [a.kind for a in monitor.alerts]}  # fmt: skip
-    engine, model = _engine(3, world)
-    refused = []
-    for target in (engine, model):
-        try:
-            GradMonitor(target).close()
-            refused.append(None)
-        except ValueError as exc:
-            refused.append(f"{type(exc).__name__}: {exc}")
-    results["3"] = {"refused": refused}
+                               "calls": dict(monitor._collectives.calls), "alerts": [a.kind for a in monitor.alerts],
+                               "units": dict(zip(w.layers, map(int, w.unit_counts)))}  # fmt: skip
+    results["before_initialize"] = _refused_before_initialize(world)
     return results
+
+
+def _refused_before_initialize(world: int) -> str | None:
+    """ZeRO 3's partitioned parameters before any optimizer holds them: no gradient to read."""
+    import deepspeed
+
+    from gradwatch import GradMonitor
+
+    config = {"train_batch_size": 4 * world, "zero_optimization": {"stage": 3}}
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = _model()
+    try:
+        GradMonitor(model).close()
+    except ValueError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None

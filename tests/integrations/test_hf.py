@@ -287,7 +287,8 @@ def test_torchrun_two_cpu_processes_rank_zero_writes(tmp_path):
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_through_the_trainer_records_the_gradient_it_clips(tmp_path):
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_deepspeed_zero_through_the_trainer_records_the_gradient_it_clips(tmp_path, stage):
     # accelerate runs engine.backward() and engine.step() inside accelerator.backward(); ZeRO's
     # reduced gradient exists only between them, where the callback records (it wraps engine.step).
     # Runs where deepspeed is installed (not in the test extras: CI skips it); here deepspeed 0.19.8.
@@ -299,7 +300,7 @@ def test_deepspeed_zero2_through_the_trainer_records_the_gradient_it_clips(tmp_p
     from ..dist_helpers import ROOT, free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           os.path.join(ROOT, "tests", "integrations", "hf_worker.py"), str(tmp_path), "2"]  # fmt: skip
+           os.path.join(ROOT, "tests", "integrations", "hf_worker.py"), str(tmp_path), stage]  # fmt: skip
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert "no parameter had a .grad" not in result.stderr
