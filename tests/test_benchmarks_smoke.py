@@ -103,3 +103,15 @@ def test_detection_benchmark_scores_a_pathology_and_a_healthy_run():
     assert fault.detected and fault.layer_ok and fault.latency == 0  # returned by the step() of step 80 itself
     healthy = D.run(by_name["MLP, Adam"])
     assert healthy.alerts == []
+
+
+def test_step_host_times_only_unsampled_non_flush_steps_and_the_floor_read():
+    from benchmarks import step_host as S
+
+    figures = {depth: S.measure_depth(depth, steps=60, batch=4, clock=_Ticks()) for depth in (1, 2)}
+    for depth, f in figures.items():
+        assert f["layers"] == 2 * depth + 1
+        # steps 10-59: the flush (49) and at least the second window's first two steps (sampled) left out
+        assert 0 < f["counted_steps"] <= 47
+        assert f["step_us"] == f["floor_us"] == 1e6 and f["above_floor_per_layer_us"] == 0
+    assert S.slopes(figures) == {"1->2": 0.0}

@@ -67,9 +67,9 @@ def test_fsdp1_without_original_parameters_is_refused_at_attach_with_the_remedy(
 
 
 def test_deepspeed_zero_1_2_and_3_give_the_whole_gradient(gloo):
-    # Runs where deepspeed is installed (it is not in the test extras: CI skips this test; here it
-    # ran with deepspeed 0.19.8 and its CPU accelerator). Every p.grad is None after engine.backward;
-    # gradwatch reads each rank's fragment of ZeRO's reduced gradient (no collective until the flush).
+    # deepspeed (0.19.8, constraints.txt; in the test extras on Linux) with its CPU accelerator. Every
+    # p.grad is None after engine.backward; gradwatch reads each rank's fragment of ZeRO's reduced
+    # gradient (no collective until the flush).
     pytest.importorskip("deepspeed")
     for result in gloo("tests.distributed.deepspeed_worker:body", 2):
         for stage in ("1", "2", "3"):

@@ -1,8 +1,9 @@
-"""Worker for the torchrun tests: python -m torch.distributed.run --nproc_per_node 2 tests/integrations/hf_worker.py OUT [ZERO_STAGE]
+"""Worker for the torchrun tests: python -m torch.distributed.run --nproc_per_node 2 tests/integrations/hf_worker.py OUT RUNS
 
 Two CPU processes (gloo) train a tiny GPT-2 with the Hugging Face Trainer and GradWatchCallback,
-under DDP or, with ZERO_STAGE, DeepSpeed ZeRO (its CPU accelerator); each writes what it saw to
-OUT/rank<R>.json.
+once per name in RUNS (comma-separated, one after the other in the same processes: one launch
+instead of one each): "ddp" (DDP), "2" or "3" (DeepSpeed ZeRO at that stage, its CPU accelerator);
+each writes what it saw to OUT/<run>/rank<R>.json.
 """
 
 import json
@@ -23,7 +24,17 @@ def _ours(hook: object) -> bool:
     return (getattr(hook, "__module__", None) or type(hook).__module__).startswith("gradwatch")
 
 
-def main(out: str, zero_stage: str | None = None) -> None:
+def main(out: str, runs: str) -> None:
+    for run in runs.split(","):
+        run_dir = os.path.join(out, run)
+        os.makedirs(run_dir, exist_ok=True)
+        train(run_dir, None if run == "ddp" else run)
+    sys.stdout.flush()
+    torch.distributed.destroy_process_group()
+    os._exit(0)  # see tests/dist_helpers.run_worker: gloo threads can abort interpreter finalisation
+
+
+def train(out: str, zero_stage: str | None) -> None:
     deepspeed = None
     if zero_stage is not None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -45,10 +56,8 @@ def main(out: str, zero_stage: str | None = None) -> None:
     logged = {e["step"]: e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"world": torch.distributed.get_world_size(), "logged": logged,
+                   "zero3": any(hasattr(p, "ds_id") for p in model.parameters()),  # the parameters partitioned
                    "hooks_left": sum(_ours(h) for m in model.modules() for h in m._forward_hooks.values())}, f)  # fmt: skip
-    sys.stdout.flush()
-    torch.distributed.destroy_process_group()
-    os._exit(0)  # see tests/dist_helpers.run_worker: gloo threads can abort interpreter finalisation
 
 
 if __name__ == "__main__":

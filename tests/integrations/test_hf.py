@@ -263,23 +263,39 @@ def test_import_gradwatch_imports_neither_transformers_nor_lightning():
     assert out.strip() == "[]"
 
 
-@pytest.mark.slow
-def test_torchrun_two_cpu_processes_rank_zero_writes(tmp_path):
-    import json
+@pytest.fixture(scope="module")
+def torchrun_trainers(tmp_path_factory):
+    """One torchrun (2 CPU processes, gloo) of ``hf_worker.py`` for the distributed Trainer tests:
+    DDP, then DeepSpeed ZeRO 2 and 3 where deepspeed is installed (one launch: ~10 s less each)."""
+    import importlib.util
     import subprocess
     import sys
 
     from ..dist_helpers import ROOT, free_port
 
+    runs = ["ddp"] + (["2", "3"] if importlib.util.find_spec("deepspeed") is not None else [])
+    out = tmp_path_factory.mktemp("torchrun")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           os.path.join(ROOT, "tests", "integrations", "hf_worker.py"), str(tmp_path)]  # fmt: skip
+           os.path.join(ROOT, "tests", "integrations", "hf_worker.py"), str(out), ",".join(runs)]  # fmt: skip
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    return out, result.stderr
+
+
+def _ranks(out) -> list[dict]:
+    import json
+
+    return [json.load(open(out / f"rank{r}.json")) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_torchrun_two_cpu_processes_rank_zero_writes(torchrun_trainers):
+    out = torchrun_trainers[0] / "ddp"
+    ranks = _ranks(out)
     assert all(r["world"] == 2 and r["hooks_left"] == 0 for r in ranks)
-    files = glob.glob(str(tmp_path / "**" / "events.out.tfevents.*"), recursive=True)
+    files = glob.glob(str(out / "**" / "events.out.tfevents.*"), recursive=True)
     assert len(files) == 1  # only rank 0 wrote
-    scalars = read_scalars(str(tmp_path / "gradwatch"))
+    scalars = read_scalars(str(out / "gradwatch"))
     logged = {int(k): v for k, v in ranks[0]["logged"].items()}
     assert sorted(scalars["gradwatch/global/grad_norm"]) == sorted(logged) == [1, 2, 3, 4]
     for step, value in logged.items():  # DDP-averaged gradients, as the Trainer logs them
@@ -288,29 +304,20 @@ def test_torchrun_two_cpu_processes_rank_zero_writes(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["2", "3"])
-def test_deepspeed_zero_through_the_trainer_records_the_gradient_it_clips(tmp_path, stage):
+def test_deepspeed_zero_through_the_trainer_records_the_gradient_it_clips(torchrun_trainers, stage):
     # accelerate runs engine.backward() and engine.step() inside accelerator.backward(); ZeRO's
     # reduced gradient exists only between them, where the callback records (it wraps engine.step).
-    # Runs where deepspeed is installed (not in the test extras: CI skips it); here deepspeed 0.19.8.
+    # ZeRO 2 keeps whole parameters, ZeRO 3 partitions them too.
     pytest.importorskip("deepspeed")
-    import json
-    import subprocess
-    import sys
-
-    from ..dist_helpers import ROOT, free_port
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           os.path.join(ROOT, "tests", "integrations", "hf_worker.py"), str(tmp_path), stage]  # fmt: skip
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    assert "no parameter had a .grad" not in result.stderr
-    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
-    assert all(r["world"] == 2 and r["hooks_left"] == 0 for r in ranks)
-    scalars = read_scalars(str(tmp_path / "gradwatch"))
+    root, stderr = torchrun_trainers
+    assert "no parameter had a .grad" not in stderr
+    ranks = _ranks(root / stage)
+    assert all(r["world"] == 2 and r["hooks_left"] == 0 and r["zero3"] == (stage == "3") for r in ranks)
+    scalars = read_scalars(str(root / stage / "gradwatch"))
     logged = {int(k): v for k, v in ranks[0]["logged"].items()}  # DeepSpeed's own global norm
     assert sorted(scalars["gradwatch/global/grad_norm"]) == sorted(logged) == [1, 2, 3, 4]
     for step, value in logged.items():
-        assert scalars["gradwatch/global/grad_norm"][step] == pytest.approx(value, rel=1e-5)
+        assert scalars["gradwatch/global/grad_norm"][step] == pytest.approx(value, rel=1e-5), step
 
 
 def _checkpointed_run(out, watch, steps, resume=None):
