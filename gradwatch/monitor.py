@@ -53,9 +53,8 @@ class GradMonitor:
             (default None); more with :meth:`add_metrics_callback`.
 
     Raises:
-        TypeError, ValueError: a wrong argument, or a sharding gradwatch cannot read (FSDP1 without
-            ``use_orig_params``; DeepSpeed ZeRO 3 before ``deepspeed.initialize``:
-            ``UnsupportedSharding``), naming the fix.
+        TypeError, ValueError: a wrong argument, or a sharding gradwatch cannot read (``UnsupportedSharding``:
+            DeepSpeed ZeRO 3 before ``deepspeed.initialize``, FSDP1 internals missing), naming the fix.
     """
 
     def __init__(self, model: nn.Module, *, logdir: str | None = None, writer: Any = None, flush_every: int = 50,

@@ -3,11 +3,13 @@ optimizer hooks of update_ratio, wired to a monitor they must not keep alive."""
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any, Callable
 
 import torch
 
+from .._compat.fsdp1 import is_placeholder
 from .layers import LayerSpec
 from .recorder import Recorder
 from .updates import UpdateRatio
@@ -24,6 +26,14 @@ def build_recorder(monitor: Any, layers: list[LayerSpec], flush_every: int, devi
     The hooks hold the monitor through a weak reference: dropping the monitor removes its hooks.
     ``monitor`` must have ``_closed`` and ``_next_step`` (the step an update belongs to).
     """
+    if optimizer is not None and all(is_placeholder(p) for layer in layers for p in layer.params):
+        # FSDP1 with use_orig_params=False: the optimizer steps FSDP's flat parameters, not layers.
+        # Said, not raised: the Lightning callback passes the optimizer by itself.
+        logging.getLogger("gradwatch").warning(
+            "gradwatch: update_ratio is not measured under FSDP1 with use_orig_params=False (the optimizer "
+            "steps one flat parameter per wrapped unit, not the layers' parameters); pass use_orig_params=True "
+            "to measure it. Every other statistic is recorded")
+        optimizer = None
     recorder = Recorder(
         layers, flush_every, device, scale_source, project_units=project_units, world_size=world_size,
         track_updates=optimizer is not None, sample_every=sample_every, reduce_partials=reduce_partials,

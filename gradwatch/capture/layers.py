@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -44,17 +44,24 @@ class LayerSpec:
     #: per parameter, how many distinct pieces of its gradient the world holds when FSDP1 shards it
     #: (``_compat.fsdp1``), else 0 (whole, or a DTensor that says so itself)
     pieces: list[int] = dataclasses.field(default_factory=list)
-    #: per parameter: DeepSpeed ZeRO keeps its gradient, partitioned over ``pieces`` ranks, in its
-    #: own buffers (``_compat.deepspeed.local_gradient``); under stage 3 the parameter is partitioned too
-    zero: list[bool] = dataclasses.field(default_factory=list)
+    #: per parameter: how to read this rank's piece of its gradient where it is not ``p.grad`` (None:
+    #: ``p.grad``): DeepSpeed ZeRO keeps it in its own buffers (``_compat.deepspeed.local_gradient``),
+    #: FSDP1 with ``use_orig_params=False`` in its unit's flat gradient (``_compat.fsdp1.flat_gradient``)
+    grad_readers: list[Callable[[torch.Tensor], torch.Tensor | None] | None] = dataclasses.field(default_factory=list)
+
+    #: each parameter's name on its module ("weight"; FSDP1's placeholders: the original's name)
+    param_names: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if not self.param_names:
+            named = {id(p): n for n, p in self.module.named_parameters(recurse=False)}
+            self.param_names = [named.get(id(p), "?") for p in self.params]
         if not self.shapes:
             self.shapes = [tuple(int(s) for s in p.shape) for p in self.params]
         if not self.pieces:
             self.pieces = [0] * len(self.params)
-        if not self.zero:
-            self.zero = [False] * len(self.params)
+        if not self.grad_readers:
+            self.grad_readers = [None] * len(self.params)
 
     def unit_dim(self, ndim: int) -> int:
         """Index of the unit dimension in an output with ``ndim`` dims."""
@@ -96,6 +103,8 @@ def discover_layers(
         )
     model = compiled.unwrap(model)  # torch.compile(model): the user's model and names
     sharded = compiled.fsdp1.sharded_parameters(model)  # FSDP1's flat pieces: their whole shapes
+    flat = compiled.fsdp1.flat_units(model)  # FSDP1 use_orig_params=False: a placeholder per parameter
+    sharded.update(flat.sharded)
     include_p = _as_patterns(include, "include")
     exclude_p = _as_patterns(exclude, "exclude")
 
@@ -103,23 +112,19 @@ def discover_layers(
     candidates: list[LayerSpec] = []
     for name, module in model.named_modules():
         name = compiled.user_name(name)  # a block compiled in place: no "_orig_mod" in its names
-        own = []
-        for p in module.parameters(recurse=False):
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                own.append(p)
+        own, names = _own_parameters(module, seen, flat)
         if own:
             shapes = [_whole_shape(p, sharded) for p in own]
             pieces = [sharded[id(p)].pieces if id(p) in sharded else 0 for p in own]
-            units = declared_units(module, own, shapes)
+            units = declared_units(module, own, shapes, names)
             candidates.append(LayerSpec(name or ROOT_NAME, module, own, isinstance(module, _CHANNEL_FIRST), units,
-                                        shapes, pieces))  # fmt: skip
+                                        shapes, pieces, param_names=names))  # fmt: skip
     if not candidates:
         raise ValueError(
             f"{type(model).__name__} has no parameters that require grad, so there is no "
             "gradient to monitor; attach gradwatch to the model you train"
         )
-    _mark_zero(candidates)
+    _mark_grad_readers(candidates)
 
     names = [c.name for c in candidates]
     if include_p is not None:
@@ -136,6 +141,22 @@ def discover_layers(
     return candidates
 
 
+def _own_parameters(module: nn.Module, seen: set[int],
+                    flat: compiled.fsdp1.FlatUnits) -> tuple[list[nn.Parameter], list[str]]:  # fmt: skip
+    """The trainable parameters ``module`` owns (a shared one belongs to the first module that has it) and
+    their names; under FSDP1's ``use_orig_params=False`` gradwatch's placeholders for them instead."""
+    own, names = [], []
+    for param_name, p in module.named_parameters(recurse=False):
+        if p.requires_grad and id(p) not in seen and id(p) not in flat.flat_ids:
+            seen.add(id(p))
+            own.append(p)
+            names.append(param_name)
+    for param_name, placeholder in flat.placeholders.get(id(module), []):
+        own.append(placeholder)
+        names.append(param_name)
+    return own, names
+
+
 def _whole_shape(p: nn.Parameter, sharded: dict) -> tuple[int, ...]:
     """The parameter's whole shape: FSDP1 and ZeRO 3 leave each rank a piece or an empty placeholder."""
     if id(p) in sharded:
@@ -144,12 +165,15 @@ def _whole_shape(p: nn.Parameter, sharded: dict) -> tuple[int, ...]:
     return zero3 if zero3 is not None else tuple(int(s) for s in p.shape)
 
 
-def _mark_zero(candidates: list[LayerSpec]) -> None:
-    """DeepSpeed ZeRO: gradients partitioned over the ranks, read as pieces (``LayerSpec.zero``);
-    ZeRO-3 parameters no optimizer holds yet raise ``UnsupportedSharding``."""
+def _mark_grad_readers(candidates: list[LayerSpec]) -> None:
+    """Gradients kept outside ``p.grad`` (``LayerSpec.grad_readers``): DeepSpeed ZeRO's, partitioned over
+    the ranks and read as pieces (ZeRO-3 parameters no optimizer holds yet raise
+    ``UnsupportedSharding``), and FSDP1's flat gradient for gradwatch's placeholders."""
     zero = compiled.deepspeed.partitioned_gradients(p for c in candidates for p in c.params)
     for c in candidates:
-        c.zero = [id(p) in zero for p in c.params]
+        c.grad_readers = [compiled.deepspeed.local_gradient if id(p) in zero else
+                          compiled.fsdp1.flat_gradient if compiled.fsdp1.is_placeholder(p) else None
+                          for p in c.params]  # fmt: skip
         c.pieces = [zero.get(id(p), k) for p, k in zip(c.params, c.pieces)]
 
 
@@ -170,7 +194,7 @@ def frozen_layers(model: nn.Module, include: str | Sequence[str] | None,
 
 
 def declared_units(module: nn.Module, own: Sequence[nn.Parameter] = (),
-                   shapes: Sequence[tuple[int, ...]] | None = None) -> int:
+                   shapes: Sequence[tuple[int, ...]] | None = None, names: Sequence[str] | None = None) -> int:
     """The number of output units of ``module`` from its metadata; 0 when unknown.
 
     Units are the output features: dim 1 of the output for convolutions and
@@ -178,7 +202,8 @@ def declared_units(module: nn.Module, own: Sequence[nn.Parameter] = (),
     describe fall back to a well-known attribute, then to the length of a 1-D
     ``bias`` or ``weight`` they own (a norm's scale, a layer-scale factor); a
     forward call whose unit dim disagrees is not judged for dead units. ``shapes``: the whole
-    shapes of ``own`` where a rank holds pieces (FSDP1).
+    shapes of ``own`` where a rank holds pieces (FSDP1, ZeRO 3); ``names``: their names where the
+    module no longer holds them (FSDP1's ``use_orig_params=False``).
     """
     if isinstance(module, (nn.Linear, nn.Bilinear)):
         return int(module.out_features)
@@ -202,7 +227,7 @@ def declared_units(module: nn.Module, own: Sequence[nn.Parameter] = (),
         value = getattr(module, attribute, None)  # e.g. transformers' Conv1D has nf
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
-    named = dict(module.named_parameters(recurse=False))
+    named = dict(zip(names, own)) if names is not None else dict(module.named_parameters(recurse=False))
     whole = {id(q): shape for q, shape in zip(own, shapes if shapes is not None else [tuple(q.shape) for q in own])}
     for attribute in ("bias", "weight"):
         p = named.get(attribute)

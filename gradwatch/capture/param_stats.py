@@ -26,7 +26,7 @@ from .layers import LayerSpec
 from .reductions import (  # noqa: F401  (StepRows, nonfinite_counts: their import path before the split)
     CpuBlasStats, ForeachStats, StepRows, TinyStats, _CpuSlots, complex_stats, nonfinite_counts,
 )
-from .._compat.deepspeed import local_gradient
+from .._compat.deepspeed import zero_stage
 from ..distributed.sharding import is_dtensor, is_partial, local_piece, piece_weight
 
 log = logging.getLogger("gradwatch")
@@ -81,21 +81,26 @@ class _Columns:
         self.shapes: list[tuple[int, ...]] = []  # whole shapes (FSDP1 pieces: the parameter's)
         self.pieces: list[int] = []  # FSDP1 / ZeRO pieces of the gradient over the ranks (0: whole)
         self.sparse_capable: set[int] = set()  # Embedding(sparse=True): reduced one by one
-        #: DeepSpeed ZeRO parameters: their gradients this rank's fragment in ZeRO's buffers
-        self.zero_ids: set[int] = set()
+        #: id(parameter) -> how to read its gradient where it is not ``p.grad`` (DeepSpeed ZeRO's
+        #: buffers, FSDP1's flat gradient: ``LayerSpec.grad_readers``)
+        self.readers: dict[int, Callable[[torch.Tensor], torch.Tensor | None]] = {}
+        #: parameters whole on this rank whose gradient is partitioned (ZeRO 1/2; not ZeRO 3, FSDP1)
+        self.whole_ids: set[int] = set()
         for index, layer in enumerate(layers):
             may_be_sparse = bool(getattr(layer.module, "sparse", False))
-            own = {id(p): n for n, p in layer.module.named_parameters(recurse=False)}
-            for p, shape, count, zero in zip(layer.params, layer.shapes, layer.pieces, layer.zero):
+            for p, name, shape, count, reader in zip(layer.params, layer.param_names, layer.shapes, layer.pieces,
+                                                     layer.grad_readers):  # fmt: skip
                 self.params.append(p)
-                self.names.append(f"{layer.name}.{own.get(id(p), '?')}")
+                self.names.append(f"{layer.name}.{name}")
                 self.owner.append(index)
                 self.shapes.append(shape)
                 self.pieces.append(count)
                 if may_be_sparse:
                     self.sparse_capable.add(id(p))
-                if zero:
-                    self.zero_ids.add(id(p))
+                if reader is not None:
+                    self.readers[id(p)] = reader
+                    if zero_stage([p]) == "1 or 2":  # whole on this rank, its gradient partitioned
+                        self.whole_ids.add(id(p))
 
 
 class ParamStats:
@@ -109,13 +114,11 @@ class ParamStats:
         reduce_partials: Callable[[list[torch.Tensor]], list[torch.Tensor] | None] | None = None,
     ) -> None:
         c = _Columns(layers)
-        params, owner, names, shapes, pieces, sparse_capable, zero_ids = (
-            c.params, c.owner, c.names, c.shapes, c.pieces, c.sparse_capable, c.zero_ids)  # fmt: skip
-        self.n_layers = len(layers)
-        self.world_size = max(int(world_size), 1)
+        params, owner, names, shapes, pieces, readers = c.params, c.owner, c.names, c.shapes, c.pieces, c.readers
+        self.n_layers, self.world_size = len(layers), max(int(world_size), 1)
         #: FSDP1 pieces (``_compat.fsdp1``), ZeRO fragments or DTensors: partial sums combined over the ranks
         self.sharded = any(is_dtensor(p) for p in params) or any(pieces)
-        self._zero = zero_ids
+        self._readers, self._whole_params = readers, c.whole_ids
         #: DTensor parameters replicated on some mesh dim: their gradients may be Partial there
         self._dtensors = [p for p in params if is_dtensor(p) and any(pl.is_replicate() for pl in p.placements)]
         #: ``Collectives.reduce_partials``: a private reduced copy of Partial gradients (None: no collective)
@@ -131,8 +134,8 @@ class ParamStats:
         #: columns to move into or out of TinyStats at the next step (their squares underflow float32)
         self._retier: set[int] = set()
         # Columns ordered by group (device, dtype, strategy): each group a contiguous slice.
-        # reduced one by one: sparse-capable tensors, and ZeRO's fragments (read through ``_grad``)
-        keys = [None if id(p) in sparse_capable or id(p) in zero_ids else _group_key(p, self.cpu_fast) for p in params]
+        # reduced one by one: sparse-capable tensors, and gradients kept elsewhere (read through ``_grad``)
+        keys = [None if id(p) in c.sparse_capable or id(p) in readers else _group_key(p, self.cpu_fast) for p in params]
         order = sorted(range(len(params)), key=lambda j: (keys[j] is None, str(keys[j]), j))
         self.params = [params[j] for j in order]
         #: "layer.parameter" of each column (log lines only)
@@ -212,7 +215,7 @@ class ParamStats:
             if key is not None and (group.params[0].dtype != key[1] or group.params[0].device != key[0]):
                 self._replan()  # cast after attaching: follow it (or, moved, say so)
                 return self._record(rows, present)
-            grads = [p.grad for p in group.params] if group.key is not None or not self._zero else \
+            grads = [p.grad for p in group.params] if group.key is not None or not self._readers else \
                 [self._grad(p) for p in group.params]
             if group.key is not None and not any(map(_is_none, grads)):
                 present[group.cols] = 1
@@ -239,8 +242,10 @@ class ParamStats:
             self._apply_weights(rows, weights)
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
-        """A parameter's gradient as this rank holds it: ``p.grad``, or its ZeRO fragment."""
-        return local_gradient(p) if id(p) in self._zero else p.grad
+        """A parameter's gradient as this rank holds it: ``p.grad``, or its piece where it is kept
+        elsewhere (ZeRO's buffers, FSDP1's flat gradient)."""
+        reader = self._readers.get(id(p))
+        return p.grad if reader is None else reader(p)
 
     def _reduced_partials(self) -> dict[int, torch.Tensor]:
         """id(gradient) -> its reduced private copy, for the Partial gradients (read-only: ``p.grad``
@@ -340,14 +345,14 @@ class ParamStats:
         """Each column's weight in a world-wide sum of its *parameter's* pieces (see sharding.py): a
         ZeRO parameter is whole on every rank (only its gradient is partitioned): 1/world."""
         return np.array([local_piece(p, self.world_size)[1] if is_dtensor(p)
-                         else 1.0 / self.world_size if id(p) in self._zero else base
+                         else 1.0 / self.world_size if id(p) in self._whole_params else base
                          for p, base in zip(self.params, self._base_weights)])  # fmt: skip
 
     def drop_references(self) -> None:
         """Forget the parameters (close())."""
         self.params = []
         self._dtensors = []
-        self._zero = set()
+        self._readers, self._whole_params = {}, set()
         self._groups = []
         self._light_groups = []
 

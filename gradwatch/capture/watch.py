@@ -49,7 +49,8 @@ class ModelWatch:
             return
         for layer in layers:
             current = {id(p) for p in layer.module.parameters(recurse=False)}
-            if any(id(p) not in current for p in layer.params):
+            # FSDP1's use_orig_params=False: gradwatch's placeholders, never the module's own
+            if any(id(p) not in current and not _compat.fsdp1.is_placeholder(p) for p in layer.params):
                 self.stop_recording(
                     f"the parameters of layer {layer.name} were replaced after gradwatch attached "
                     "(load_state_dict(..., assign=True), a wrapper that swaps parameters, ...), so gradwatch no "

@@ -1,11 +1,13 @@
-"""FSDP1 worker (gloo, CPU): ``FullyShardedDataParallel(use_orig_params=True)`` on 2 or 4 ranks.
+"""FSDP1 worker (gloo, CPU): ``FullyShardedDataParallel`` on 2 or 4 ranks.
 
     gloo("tests.distributed.fsdp1_worker:body", WORLD, CONFIG, ...)  (the gloo fixture: tests/conftest.py)
 
-Each CONFIG is ``STRATEGY[+nested][+bf16][+offload]``: the sharding strategy (FULL_SHARD,
+Each CONFIG is ``STRATEGY[+nested][+bf16][+offload][+flat]``: the sharding strategy (FULL_SHARD,
 SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD: 4 ranks, 2 x 2), every Linear its own unit
 (``nested``, an auto-wrap policy) or the whole model one unit, bfloat16 mixed precision, CPU
-offload of parameters. Each rank trains on its own batch; beside it, an unsharded twin of the
+offload of parameters, ``use_orig_params=False`` (``flat``; else True). Under ``flat`` FSDP cannot
+gather gradients itself (``summon_full_params(with_grads=True)`` needs the original parameters):
+the twin is the reference, and update_ratio is not measured (the optimizer steps flat parameters). Each rank trains on its own batch; beside it, an unsharded twin of the
 model (same initial weights) takes the same step on every rank's batch (the mean of the ranks'
 losses, which is what FSDP averages), and the rank records with its own hooks each layer's output
 gradient and which units had a non-zero one, to compare with what gradwatch reports.
@@ -13,6 +15,7 @@ gradient and which units had a non-zero one, to compare with what gradwatch repo
 
 from __future__ import annotations
 
+import logging
 
 import torch
 from torch import nn
@@ -38,7 +41,7 @@ def _wrap(model: nn.Module, config: str, world: int):
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     strategy, *options = config.split("+")
-    kwargs = {"use_orig_params": True, "device_id": torch.device("cpu"),
+    kwargs = {"use_orig_params": "flat" not in options, "device_id": torch.device("cpu"),
               "sharding_strategy": ShardingStrategy[strategy]}  # fmt: skip
     if "nested" in options:
         kwargs["auto_wrap_policy"] = ModuleWrapPolicy({nn.Linear})
@@ -55,7 +58,6 @@ def _wrap(model: nn.Module, config: str, world: int):
 
 def _run(rank: int, world: int, config: str) -> dict:
     import torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel
 
     from gradwatch import GradMonitor
 
@@ -63,7 +65,10 @@ def _run(rank: int, world: int, config: str) -> dict:
     model = _wrap(_model(), config, world)
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    said = _Said()
+    logging.getLogger("gradwatch").addHandler(said)
     monitor = GradMonitor(model, flush_every=STEPS + 2, optimizer=opt, detail="full")  # close() flushes all
+    logging.getLogger("gradwatch").removeHandler(said)
     out_sq: dict[str, float] = {}
     alive: dict[str, torch.Tensor] = {}
 
@@ -94,34 +99,48 @@ def _run(rank: int, world: int, config: str) -> dict:
         monitor.step()
         # FSDP's own unsharded gradient and weights (its collectives, not gradwatch's): the reference
         # under mixed precision, where the float32 twin's forward differs
-        full_grads, full_before = _full(model, grads=True), _full(model)
+        flat = "flat" in config
+        full_grads, full_before = (None, None) if flat else (_full(model, grads=True), _full(model))
         opt.step()
         twin_opt.step()
-        full_after = _full(model)
+        full_after = None if flat else _full(model)
         for name in LAYERS:
             after = torch.cat([p.detach().reshape(-1).double() for p in twin.get_submodule(name).parameters()])
             ref[name]["update_ratio"] = float((after - before[name]).norm() / before[name].norm())
             ref[name]["local_out_sq"] = out_sq[name]
-            ref[name]["fsdp"] = {"grad_norm": float(full_grads[name].norm()), "grad_max": float(full_grads[name].abs().max()),
-                                 "update_ratio": float((full_after[name] - full_before[name]).norm() / full_before[name].norm())}  # fmt: skip
+            if not flat:
+                ref[name]["fsdp"] = {"grad_norm": float(full_grads[name].norm()), "grad_max": float(full_grads[name].abs().max()),
+                                     "update_ratio": float((full_after[name] - full_before[name]).norm() / full_before[name].norm())}  # fmt: skip
         opt.zero_grad()
         twin_opt.zero_grad()
         steps.append(ref)
     calls_before_flush = dict(monitor._collectives.calls)
     monitor.close()
     w = monitor.last_window
-    got = [{name: {stat: float(getattr(w, stat)[t, w.layers.index(name)])
+    got = [{name: {stat: float("nan") if getattr(w, stat) is None else float(getattr(w, stat)[t, w.layers.index(name)])
                    for stat in ("grad_norm", "grad_max", "nonfinite", "out_grad_norm", "update_ratio")}
             for name in LAYERS} for t in range(STEPS)]  # fmt: skip
     dead = {name: float(w.dead_fraction[w.layers.index(name)]) for name in LAYERS}
-    with FullyShardedDataParallel.summon_full_params(model):
-        in_sync = all(torch.equal(p.detach(), q.detach()) for p, q in zip(model.parameters(), twin.parameters()))
+    whole = model.state_dict()  # FSDP's full state dict: the user's names, every parameter whole
+    in_sync = all(torch.equal(whole[n].detach(), q.detach()) for n, q in twin.named_parameters())
     local_shapes = [tuple(p.shape) for p in model.parameters()]
     dist.barrier()
     return {"config": config, "layers": w.layers, "got": got, "expected": steps, "dead": dead,
             "alive": {n: alive[n].tolist() for n in LAYERS}, "local_shapes": local_shapes,
             "twin_in_sync": in_sync, "alerts": [a.kind for a in monitor.alerts],
-            "calls_before_flush": calls_before_flush, "calls": dict(monitor._collectives.calls)}  # fmt: skip
+            "calls_before_flush": calls_before_flush, "calls": dict(monitor._collectives.calls),
+            "warnings": said.messages}  # fmt: skip
+
+
+class _Said(logging.Handler):
+    """The warnings gradwatch logs while it attaches."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def _full(model, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -136,18 +155,5 @@ def _full(model, grads: bool = False) -> dict[str, torch.Tensor]:
 def body(rank: int, world: int, *configs: str) -> dict:
     return {"runs": [_run(rank, world, config) for config in configs]}
 
-
-def refused(rank: int, world: int) -> dict:
-    """use_orig_params=False: refused at attach, with the remedy."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    from gradwatch import GradMonitor
-
-    model = FullyShardedDataParallel(_model(), use_orig_params=False, device_id=torch.device("cpu"))
-    try:
-        GradMonitor(model)
-    except ValueError as exc:
-        return {"error": str(exc), "type": type(exc).__name__}
-    return {"error": None}
 
 

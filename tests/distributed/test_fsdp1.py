@@ -1,4 +1,4 @@
-"""FSDP1 (``FullyShardedDataParallel``, ``use_orig_params=True``) and DeepSpeed ZeRO on gloo: every statistic of the whole
+"""FSDP1 (``FullyShardedDataParallel``, ``use_orig_params=True`` and ``False``) and DeepSpeed ZeRO on gloo: every statistic of the whole
 model, under every sharding strategy that runs on CPU, against an unsharded twin trained on every
 rank's batch and against FSDP's own unsharded gradients and weights (``summon_full_params``).
 Workers: tests/distributed/fsdp1_worker.py."""
@@ -18,6 +18,8 @@ fsdp = pytest.importorskip("torch.distributed.fsdp")
 #: the worker's model: Linear(8, 16), Linear(16, 16), Linear(16, 3), weights and biases
 _WHOLE = (8 * 16 + 16) + (16 * 16 + 16) + (16 * 3 + 3)
 TWO_RANKS = ("FULL_SHARD", "FULL_SHARD+nested", "SHARD_GRAD_OP+nested", "NO_SHARD", "FULL_SHARD+bf16")
+#: use_orig_params=False: one flat parameter per unit, read per original parameter
+TWO_RANKS_FLAT = ("FULL_SHARD+flat", "SHARD_GRAD_OP+nested+flat", "NO_SHARD+flat", "FULL_SHARD+nested+bf16+flat")
 
 
 def _check(results: list[dict]) -> None:
@@ -31,12 +33,16 @@ def _check(results: list[dict]) -> None:
             assert run["calls_before_flush"] == {"gather": 1, "reduce": 0, "partials": 0}, config
             assert run["calls"] == {"gather": 1, "reduce": 2, "partials": 0}, config
             for t, (got, expected) in enumerate(zip(run["got"], run["expected"])):
+                flat = "flat" in config  # use_orig_params=False: the optimizer steps flat parameters
+                measured = ("grad_norm", "grad_max") if flat else ("grad_norm", "grad_max", "update_ratio")
                 for name, values in got.items():
-                    # FSDP's own unsharded gradient and weights: exact under every strategy and precision
-                    for stat in ("grad_norm", "grad_max", "update_ratio"):
-                        assert values[stat] == pytest.approx(expected[name]["fsdp"][stat], rel=1e-6), (config, rank, t, name, stat)
+                    if not flat:  # FSDP's own unsharded gradient and weights: exact under every strategy and precision
+                        for stat in measured:
+                            assert values[stat] == pytest.approx(expected[name]["fsdp"][stat], rel=1e-6), (config, rank, t, name, stat)
+                    else:
+                        assert math.isnan(values["update_ratio"]), (config, name)
                     if "bf16" not in config:  # the float32 twin on every rank's batch (bf16 forward differs)
-                        for stat in ("grad_norm", "grad_max", "update_ratio"):
+                        for stat in measured:
                             assert values[stat] == pytest.approx(expected[name][stat], rel=1e-5), (config, rank, t, name, stat)
                     assert values["nonfinite"] == 0.0
                     # out_grad_norm: root-sum-square over the ranks of each rank's own output gradient (as DDP)
@@ -57,13 +63,17 @@ def test_fsdp1_every_strategy_on_two_ranks_gives_the_whole_models_statistics(glo
 
 def test_fsdp1_hybrid_sharding_on_four_ranks_counts_each_piece_once(gloo):
     # shard over pairs of ranks, replicate across the pairs: summing every rank's piece would count each twice
-    _check(gloo("tests.distributed.fsdp1_worker:body", 4, "HYBRID_SHARD+nested"))
+    _check(gloo("tests.distributed.fsdp1_worker:body", 4, "HYBRID_SHARD+nested", "HYBRID_SHARD+nested+flat"))
 
 
-def test_fsdp1_without_original_parameters_is_refused_at_attach_with_the_remedy(gloo):
-    for result in gloo("tests.distributed.fsdp1_worker:refused", 2):
-        assert result["type"] == "UnsupportedSharding"
-        assert "use_orig_params=True" in result["error"] and "fully_shard" in result["error"], result["error"]
+def test_fsdp1_without_original_parameters_reads_each_parameter_in_the_flat_gradient(gloo):
+    # use_orig_params=False: the modules hold no parameters; each unit's FlatParameter holds this
+    # rank's shard of all of them. gradwatch reads each original parameter's slice of it.
+    results = gloo("tests.distributed.fsdp1_worker:body", 2, *TWO_RANKS_FLAT)
+    _check(results)
+    for run in (run for result in results for run in result["runs"]):
+        assert any("update_ratio is not measured under FSDP1 with use_orig_params=False" in m
+                   for m in run["warnings"]), run["warnings"]  # fmt: skip
 
 
 def test_deepspeed_zero_1_2_and_3_give_the_whole_gradient(gloo):
