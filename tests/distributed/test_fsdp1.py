@@ -41,9 +41,11 @@ def _check(results: list[dict]) -> None:
                             assert values[stat] == pytest.approx(expected[name]["fsdp"][stat], rel=1e-6), (config, rank, t, name, stat)
                     else:
                         assert math.isnan(values["update_ratio"]), (config, name)
-                    if "bf16" not in config:  # the float32 twin on every rank's batch (bf16 forward differs)
-                        for stat in measured:
-                            assert values[stat] == pytest.approx(expected[name][stat], rel=1e-5), (config, rank, t, name, stat)
+                    # the float32 twin on every rank's batch; under bf16 (its forward differs) the flat
+                    # layout has no other reference: within the bf16 forward's error
+                    tolerance = 1e-5 if "bf16" not in config else 3e-2 if flat else None
+                    for stat in measured if tolerance else ():
+                        assert values[stat] == pytest.approx(expected[name][stat], rel=tolerance), (config, rank, t, name, stat)
                     assert values["nonfinite"] == 0.0
                     # out_grad_norm: root-sum-square over the ranks of each rank's own output gradient (as DDP)
                     own = math.sqrt(sum(r["expected"][t][name]["local_out_sq"] for r in runs))
