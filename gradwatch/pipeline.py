@@ -103,6 +103,8 @@ class StepPipeline:
             self._fresh_evidence = False
         if window is None:
             return early
+        self.failures.guarded("choosing the output statistics' precision",
+                              lambda: recorder.follow_output_magnitudes(window))  # fmt: skip
         checks = self.checks
         assessment = self.failures.guarded("the health checks", lambda: checks.check(window), Assessment())
         recorder.layout.full_window = checks.wants_every_step  # dead units to confirm on every step

@@ -229,6 +229,13 @@ class Recorder:
         self.layout.start_window()
         self.plan.sampling = True
 
+    def follow_output_magnitudes(self, window: Any) -> None:
+        """After a flush: reduce each layer's output statistics next window in float32 where this
+        window's act_rms shows it exact there (``Cells.follow_output_magnitudes``)."""
+        act_rms = window.output_stats.get("act_rms") if window.output_stats else None
+        by_name = {} if act_rms is None else {name: act_rms[:, i] for i, name in enumerate(window.layers)}
+        self.cells.follow_output_magnitudes(by_name)
+
     def suspect_dead_units(self, layers: np.ndarray) -> None:
         """Record in the window that this rank asked to confirm the dead units of ``layers`` (bool
         per layer): reduced with the window, so that every rank's rule backs off from the same record."""

@@ -246,6 +246,14 @@ class Cells:
                       cells.sampled, cells.sampled_count)
         )
 
+    def follow_output_magnitudes(self, act_rms: dict[str, np.ndarray]) -> None:
+        """At a flush, for the next window's eager taps: each layer's output statistics in float32
+        where its act_rms of the window (``act_rms[name]``, over the steps) allows it
+        (``registry.outputs.float32_is_exact``), else float64; a layer not in ``act_rms``: float64."""
+        for tap in self.taps:
+            values = act_rms.get(tap.name)
+            tap.exact_outputs = values is None or not registry.outputs.float32_is_exact(values)
+
     def set_unit_sums(self, enabled: bool) -> None:
         """Per-unit sums of squares (for dead_eps > 0) instead of the random projection."""
         for tap in self.taps:
@@ -283,6 +291,9 @@ class OutputTap:
         self.units = units
         self.output_stats = output_stats  # None: no output statistic is declared
         self.output_elements = output_elements
+        #: eager: reduce the output statistics in float64 (False: the last window's outputs allow
+        #: float32, ``registry.outputs.float32_is_exact``); compiled code always does (fused casts)
+        self.exact_outputs = True
         # Taps that record the same output too (MultiheadAttention's out_proj): set by HookSet.
         self.also: tuple["OutputTap", ...] = ()
         self.failure: BaseException | None = None  # the latest failure inside this tap, until step()
@@ -366,7 +377,7 @@ class OutputTap:
                     self._advance_clock()
                 if self.output_stats is not None:  # the declared output statistics (registry/outputs.py)
                     local = local_tensor(out)
-                    self.output_stats.add_(registry.accumulate_all(local, self.output_stats.dtype))
+                    self.output_stats.add_(registry.accumulate_all(local, self.output_stats.dtype, self.exact_outputs))
                     self.output_elements.add_(local.numel())
         finally:
             _set_grad_enabled(True)  # the tap runs only with grad enabled

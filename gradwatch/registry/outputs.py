@@ -26,9 +26,12 @@ class OutputStatistic:
     Args:
         name: the statistic's name: its tag is ``gradwatch/<name>/<layer>``.
         accumulators: names of the per-layer sums it adds up over a step's calls (and ranks).
-        accumulate: ``fn(output, dtype) -> list of 0-d tensors of dtype`` (the cells' dtype:
+        accumulate: ``fn(output, dtype, exact) -> list of 0-d tensors of dtype`` (the cells' dtype:
             float64, float32 on MPS), one per accumulator, for one call's output (this rank's
-            piece, grad mode off). Runs inside the tap: tensor ops only,
+            piece, grad mode off). ``exact`` False: the layer's outputs were far from float32's
+            underflow and overflow in the last window (:func:`float32_is_exact`), so a sum may be
+            reduced in the output's own float32 (several times cheaper on the CPU than a float64
+            reduction, which copies the output). Runs inside the tap: tensor ops only,
             so that it compiles under ``torch.compile(fullgraph=True)``.
         decode: ``fn(accumulators [..., k], elements [...]) -> values [...]`` on the host, with
             the number of output elements they were taken over; NaN where undefined.
@@ -39,19 +42,37 @@ class OutputStatistic:
 
     name: str
     accumulators: tuple[str, ...]
-    accumulate: Callable[[torch.Tensor, torch.dtype], list[torch.Tensor]]
+    accumulate: Callable[[torch.Tensor, torch.dtype, bool], list[torch.Tensor]]
     decode: Callable[[np.ndarray, np.ndarray], np.ndarray]
     description: str = ""
     label: str = ""
     log_scale: bool = False
 
 
-def _sum_of_squares(out: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
-    # in the cells' dtype (float64): exact at any magnitude, no cast (sampled steps only: cheap)
-    return [torch.linalg.vector_norm(out, dtype=dtype).square()]
+#: A layer whose act_rms stayed within these bounds in a window has its next window's sums of squares
+#: reduced in float32: far from float32's underflow (squares of |x| < ~1e-19 lose digits, of |x| <
+#: ~4e-23 vanish) and overflow (|x| > ~1.8e19, or a sum above 3.4e38), relative error ~1e-7.
+FLOAT32_SAFE_RMS = (1e-12, 1e12)
 
 
-def _nonzeros(out: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+def float32_is_exact(act_rms: np.ndarray) -> bool:
+    """Whether a layer's act_rms values of a window (NaN: not recorded) allow float32 sums next window:
+    some recorded, all finite and within :data:`FLOAT32_SAFE_RMS`."""
+    recorded = act_rms[~np.isnan(act_rms)]
+    low, high = FLOAT32_SAFE_RMS
+    return bool(recorded.size) and bool(np.all((recorded >= low) & (recorded <= high)))
+
+
+def _sum_of_squares(out: torch.Tensor, dtype: torch.dtype, exact: bool) -> list[torch.Tensor]:
+    if exact or out.dtype != torch.float32:
+        # in the cells' dtype (float64): exact at any magnitude (the reduction copies the output)
+        return [torch.linalg.vector_norm(out, dtype=dtype).square()]
+    # float32 where it is exact (see above), as many ops as the float64 path: the stack of the
+    # step's accumulators is then float32 too (a count above 2**24 rounds to 6e-8 relative)
+    return [torch.linalg.vector_norm(out).square()]
+
+
+def _nonzeros(out: torch.Tensor, dtype: torch.dtype, exact: bool) -> list[torch.Tensor]:
     # one op (an int64 count; stack promotes it to the cells' dtype)
     return [torch.count_nonzero(out)]
 
@@ -86,10 +107,10 @@ def accumulator_count() -> int:
     return 1 + declared if declared else 0
 
 
-def accumulate_all(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def accumulate_all(out: torch.Tensor, dtype: torch.dtype, exact: bool = True) -> torch.Tensor:
     """Every statistic's accumulators of one output, as one 1-D tensor of ``dtype`` (traceable); the
-    element count is added by the tap (``out.numel()``, no op)."""
-    return torch.stack([value for s in OUTPUT_STATISTICS for value in s.accumulate(out, dtype)])
+    element count is added by the tap (``out.numel()``, no op). ``exact``: see ``OutputStatistic``."""
+    return torch.stack([value for s in OUTPUT_STATISTICS for value in s.accumulate(out, dtype, exact)])
 
 
 def decode_all(accumulators: np.ndarray) -> dict[str, np.ndarray]:

@@ -530,6 +530,51 @@ def test_activation_statistics_equal_a_direct_computation_over_every_call_of_the
     assert [t for t in range(27) if w.sampled[t]] == [0, 1, 25]
 
 
+def test_activation_rms_is_reduced_in_float32_only_where_the_last_window_shows_it_exact():
+    # act_rms's sum of squares costs several times more in float64 (the reduction copies the
+    # output); a layer whose act_rms stayed within 1e-12..1e12 in a window gets float32 sums in
+    # the next (registry/outputs.py). Layer "tiny" works at 1e-25, where float32 squares vanish:
+    # it keeps float64 throughout; "normal" switches to float32 after the first window and back to
+    # float64 after a window where it collapsed. Every value against the test's own float64 computation.
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("normal", nn.Linear(8, 8))
+    model.add_module("tiny", nn.Linear(8, 8))
+    with torch.no_grad():
+        model.tiny.weight.mul_(1e-25)
+        model.tiny.bias.zero_()
+        model.normal.bias.zero_()  # its outputs scale with its inputs
+    outputs = {"normal": [], "tiny": []}
+    for name in outputs:
+        model.get_submodule(name).register_forward_hook(lambda m, a, o, name=name: outputs[name].append(o.detach().double()))
+    monitor = GradMonitor(model, flush_every=4, detail="full")
+    taps = {tap.name: tap for tap in monitor._recorder.cells.taps}
+    exact, expected = [], []
+    for step in range(12):
+        scale = 1e-26 if 4 <= step < 8 else 1.0  # window 2: "normal"'s outputs collapse to ~1e-26
+        exact.append({name: tap.exact_outputs for name, tap in taps.items()})
+        model(torch.randn(16, 8) * scale).square().sum().backward()
+        expected.append({name: float(outs[0].square().mean().sqrt()) for name, outs in outputs.items()})
+        for outs in outputs.values():
+            outs.clear()
+        monitor.step()
+        model.zero_grad()
+        if step in (3, 7, 11):
+            window = monitor.last_window
+            for t in range(4):
+                for i, name in enumerate(window.layers):
+                    got, want = window.output_stats["act_rms"][t, i], expected[step - 3 + t][name]
+                    if exact[step - 3 + t][name]:  # float64: exact at any magnitude
+                        assert got == pytest.approx(want, rel=1e-9), (step, t, name)
+                    elif want > 1e-12:
+                        assert got == pytest.approx(want, rel=1e-6), (step, t, name)
+    monitor.close()
+    assert [e["tiny"] for e in exact] == [True] * 12  # its outputs are ~1e-25: never float32
+    assert [e["normal"] for e in exact] == [True] * 4 + [False] * 4 + [True] * 4
+    assert expected[0]["tiny"] < 1e-23  # the test means something: float32 squares of it vanish
+    assert float(torch.linalg.vector_norm(torch.full((8,), 1e-25))) == 0.0
+
+
 @pytest.mark.parametrize("magnitude", [1e-12, 1e-21, 1e-26, 1e-40])
 def test_tiny_gradients_get_their_exact_norm_not_zero(param_path, magnitude):
     # A vanishing layer's gradient of 1e-25 has float32 squares that underflow (subnormal below

@@ -55,7 +55,7 @@ def test_a_gradient_statistic_added_as_one_entry_is_decoded_tagged_and_written(t
 def test_an_output_statistic_added_as_one_entry_is_accumulated_decoded_and_written(tmp_path, monkeypatch):
     # The mean of each layer's output over the step's calls: one entry in registry/outputs.py gives
     # the taps' accumulator (a cell in the buffer), its decoding and its tag.
-    def accumulate(out, dtype):
+    def accumulate(out, dtype, exact):  # exact: a sum reduced in dtype either way
         return [out.sum(dtype=dtype)]
 
     def decode(accumulators, elements):
