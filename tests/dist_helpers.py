@@ -118,6 +118,23 @@ def _run_interpreters(module: str, argvs: list[list[str]], timeout: float) -> li
     return logs
 
 
+def deepspeed_on_cpu() -> None:
+    """Prepare DeepSpeed for a test rank: its CPU accelerator, and none of its C++ ops built.
+
+    On the CPU accelerator ``deepspeed.init_distributed`` compiles a shared-memory collective op
+    with ninja (``comm/torch.py: build_shm_op``) whenever the op's build hash changes, ~40 s a time
+    here (measured with a traceback dump of a slow rank: the suite's DeepSpeed test took 42-61 s
+    instead of 5 in 4 of ~20 runs). The tests' collectives are gloo's; the op is an optional fast
+    path DeepSpeed skips where it is not compatible, which an empty compatibility table says (the
+    table is only read for that op; probing it runs compiler subprocesses too).
+    """
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))  # what a launcher sets; DeepSpeed asserts it
+    import deepspeed.ops
+
+    deepspeed.ops.__dict__.setdefault("__compatible_ops__", {})
+
+
 def run_worker(body: Callable[[int, int], dict[str, Any]]) -> None:
     """The ``__main__`` of a worker: init gloo, run ``body(rank, world)``, write its JSON, exit.
 

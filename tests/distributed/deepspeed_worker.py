@@ -51,8 +51,10 @@ def _engine(stage: int, world: int):
 
 
 def body(rank: int, world: int) -> dict:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from ..dist_helpers import deepspeed_on_cpu
+
     os.environ.setdefault("LOCAL_RANK", str(rank))  # what a launcher sets; DeepSpeed asserts it
+    deepspeed_on_cpu()
     from deepspeed.utils import safe_get_full_grad
 
     from gradwatch import GradMonitor

@@ -16,6 +16,7 @@ import transformers
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from gradwatch.hf import GradWatchCallback  # noqa: E402
+from tests.dist_helpers import deepspeed_on_cpu  # noqa: E402
 from tests.integrations.test_hf import _Tokens  # noqa: E402
 
 
@@ -37,7 +38,7 @@ def main(out: str, runs: str) -> None:
 def train(out: str, zero_stage: str | None) -> None:
     deepspeed = None
     if zero_stage is not None:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        deepspeed_on_cpu()
         deepspeed = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
                      "zero_optimization": {"stage": int(zero_stage)}, "zero_allow_untested_optimizer": True}  # fmt: skip
     torch.manual_seed(0)
