@@ -129,7 +129,6 @@ def deepspeed_on_cpu() -> None:
     table is only read for that op; probing it runs compiler subprocesses too).
     """
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))  # what a launcher sets; DeepSpeed asserts it
     import deepspeed.ops
 
     deepspeed.ops.__dict__.setdefault("__compatible_ops__", {})

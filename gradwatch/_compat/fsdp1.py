@@ -92,8 +92,8 @@ class FlatUnits:
     flat_ids: set[int]
 
 
-def _units(model: nn.Module) -> list[tuple[Any, Any, bool, int, bool]]:
-    """(unit, handle, use_orig_params, group size, sharded strategy) of every FSDP1 unit with parameters."""
+def _units(model: nn.Module) -> list[tuple[Any, bool, int, bool]]:
+    """(handle, use_orig_params, group size, sharded strategy) of every FSDP1 unit with parameters."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     except ImportError:  # a build without distributed support
@@ -104,7 +104,7 @@ def _units(model: nn.Module) -> list[tuple[Any, Any, bool, int, bool]]:
             continue  # not FSDP1, or a unit without parameters of its own
         handle = unit._handle
         try:
-            found.append((unit, handle, bool(handle._use_orig_params), int(handle.process_group.size()),
+            found.append((handle, bool(handle._use_orig_params), int(handle.process_group.size()),
                           unit.sharding_strategy != ShardingStrategy.NO_SHARD))  # fmt: skip
         except AttributeError as exc:
             raise _unsupported(exc) from exc
@@ -128,7 +128,7 @@ def sharded_parameters(model: nn.Module) -> dict[int, ShardedParameter]:
         UnsupportedSharding: a torch whose FSDP1 internals are not the ones read here.
     """
     found: dict[int, ShardedParameter] = {}
-    for _, handle, use_orig_params, group_size, sharded in _units(model):
+    for handle, use_orig_params, group_size, sharded in _units(model):
         if not use_orig_params or not sharded:
             continue
         try:
@@ -147,7 +147,7 @@ def flat_units(model: nn.Module) -> FlatUnits:
         UnsupportedSharding: a torch whose FSDP1 internals are not the ones read here.
     """
     units = FlatUnits({}, {}, set())
-    for _, handle, use_orig_params, group_size, sharded in _units(model):
+    for handle, use_orig_params, group_size, sharded in _units(model):
         if use_orig_params:
             continue
         flat = handle.flat_param
