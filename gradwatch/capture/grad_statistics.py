@@ -36,6 +36,9 @@ class GradStatistics:
         self.dtype = dtype
         #: per-unit sums of squares (``dead_eps > 0``) instead of the random projection
         self.unit_sums = False
+        #: (rows, dtype) -> the first ``rows`` projection weights as a (1, rows) matrix (eager: slicing
+        #: and converting are an op each per call; batch shapes repeat)
+        self._weight_rows: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     def unit_dim(self, ndim: int) -> int:
         return 1 if self.channel_first and ndim >= 2 else ndim - 1
@@ -97,6 +100,75 @@ class GradStatistics:
         if weights.dtype != rows.dtype:
             weights = weights.to(rows.dtype)
         return sq, torch.mv(rows.t(), weights), float(n)
+
+
+    def record(self, g: torch.Tensor, sq: torch.Tensor, units: torch.Tensor, first: bool) -> float:
+        """Eager: fold one output gradient's statistics (those of :meth:`of`) into the layer's cells.
+
+        Args:
+            g: the output gradient (this rank's piece).
+            sq: the 0-d sum-of-squares cell.
+            units: the (1, units) dead-unit evidence cell (squares of the projection, or of per-unit
+                norms with ``unit_sums``).
+            first: the layer's first output gradient of the step: the results are written into the
+                cells (``out=``, one op each), not added (the cells hold an older step's values).
+
+        Returns:
+            the samples behind the dead-unit evidence (0.0: ``g`` is none).
+        """
+        ndim = g.ndim
+        if ndim >= 3 and self.unit_dim(ndim) == 1:
+            # (N, C, *spatial): as in :meth:`of`, per (sample, channel) over positions, then per channel.
+            rows = torch.linalg.vector_norm(g, 2, dim=tuple(range(2, ndim)), dtype=self.dtype)
+            _write(_sum_all, (rows.square(),), sq, first)
+            if not self.judged(g):
+                return 0.0
+            _write(torch.square, (torch.linalg.vector_norm(rows, 2, dim=0, keepdim=True),), units, first)
+            return float(g.shape[0])
+        rows = g if ndim == 2 else g.reshape(-1, g.shape[-1]) if ndim > 2 else g.reshape(1, -1)
+        row_norms = torch.linalg.vector_norm(rows, 2, dim=1, dtype=self.dtype)
+        _write(torch.dot, (row_norms, row_norms), sq, first)
+        if not self.judged(g):
+            return 0.0
+        if rows.dtype not in (torch.float32, torch.float64):
+            rows = rows.float()  # half-precision squares overflow
+        n = rows.shape[0]
+        if self.unit_sums:
+            evidence = torch.linalg.vector_norm(rows, 2, dim=0, keepdim=True)
+        else:  # the projection of :meth:`of`, as a (1, n) x (n, units) product: no transpose
+            evidence = torch.mm(self._weight_row(n, rows.dtype, rows.device), rows)
+        _write(torch.square, (evidence,), units, first)
+        return float(n)
+
+    def _weight_row(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The first ``n`` projection weights as (1, n), kept per shape for the drawn ones (views, or
+        one conversion of at most 64 KiB); generated afresh for longer gradients, as in :meth:`of`."""
+        key = (n, dtype)
+        row = self._weight_rows.get(key)
+        if row is not None:
+            return row
+        if n > self.weights.shape[0]:
+            return generated_weights(n, device).to(dtype).view(1, n)
+        row = self.weights[:n].to(dtype).view(1, n)
+        if len(self._weight_rows) >= 8:  # bounded: shapes that keep changing are converted per call
+            self._weight_rows.clear()
+        self._weight_rows[key] = row
+        return row
+
+
+def _sum_all(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.sum(x) if out is None else torch.sum(x, dim=None, out=out)
+
+
+def _write(fn, args: tuple, cell: torch.Tensor, first: bool) -> None:  # type: ignore[no-untyped-def]
+    """``cell = fn(*args)`` in one op (``out=``) at a step's first call, else ``cell += fn(*args)``;
+    ``cell`` is viewed as the result's shape (the unit cells are (1, units), the sums 0-d)."""
+    if first:
+        fn(*args, out=cell)
+    elif fn is torch.square:
+        cell.addcmul_(args[0], args[0])
+    else:
+        cell.add_(fn(*args))
 
 
 def generated_weights(n: int, device: torch.device) -> torch.Tensor:

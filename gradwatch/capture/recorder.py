@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .taps import Cells, DeviceCells
+from .host_cells import HostCellMoves
 from ..flush.decode import build_window
 from .devices import host_to_device, index_tensor
 from .layers import LayerSpec
@@ -72,6 +73,7 @@ class Recorder:
         # Views made once: indexing and slicing are an op each per call.
         self._units_window = buffer[UNIT_ACC]
         self._moves = [_CellMoves(cells, self.layout) for cells in self.cells.devices]
+        self._host_moves = HostCellMoves(self.layout, self.cells.host, numpy_rows=self.param_stats.counts_every_step)
         # Unsampled steps leave max |g| (and, on accelerators, the non-finite count) out.
         sq_host = buffer.host_view(PARAM_SQ)  # CPU buffers: numpy views made once
 
@@ -137,6 +139,8 @@ class Recorder:
                 scale = scale.to(self._dtype)
             for moves in self._moves:
                 moves.into_row(slot, sampled, scale, self._units_window, not self.project_units)
+            if sampled:
+                self._host_moves.into_row(slot)
             rows = (self._full_rows if full else self._param_rows)[slot]
             self.param_stats.record(rows, self._host[PARAM_PRESENT][slot])
             if params_scaled and scale is not None:
@@ -150,6 +154,7 @@ class Recorder:
             if sampled:
                 for cells in self.cells.devices:
                     cells.reset_step()
+            self.cells.host.clear()
             self.slot = slot + 1
             plan.step += 1
             plan.sampling = self.layout.is_sampled(self.slot)
@@ -168,6 +173,7 @@ class Recorder:
         """Forget what the taps collected (no step() will claim it)."""
         for cells in self.cells.devices:
             cells.reset_window()
+        self.cells.host.clear()
 
     def write_update(self, step: int, columns: np.ndarray | None, index: torch.Tensor | None,
                      update_sq: torch.Tensor | None, weight_sq: torch.Tensor | None) -> None:  # fmt: skip
@@ -224,6 +230,7 @@ class Recorder:
         self.buffer.zero_()
         for cells in self.cells.devices:
             cells.reset_window()
+        self.cells.host.clear()
         self.update_steps = []
         self.slot = 0
         self.layout.start_window()

@@ -70,14 +70,15 @@ def nonfinite_counts(grads: list[torch.Tensor], chunk: int = _COUNT_CHUNK) -> to
     """Per-tensor number of NaN/Inf elements, as one float32 tensor on the gradients' device.
 
     ``g - g`` is 0 for finite values and NaN for NaN/Inf, and the 0-"norm" counts the
-    non-zeros. The gradients are cut into flat views of at most ``chunk`` elements and
-    processed at most ``chunk`` elements at a time, so the temporaries never exceed
+    non-zeros. Gradients larger than ``chunk`` are cut into flat views of at most ``chunk``
+    elements, and everything is processed at most ``chunk`` elements at a time, so the temporaries never exceed
     ``chunk`` elements however large the model.
     """
     pieces: list[torch.Tensor] = []
     owners: list[int] = []
     for i, g in enumerate(grads):
-        for piece in g.reshape(-1).split(chunk):
+        # whole where it fits (the foreach kernels take any shape; a view and a split are two ops a tensor)
+        for piece in (g,) if g.numel() <= chunk else g.reshape(-1).split(chunk):
             pieces.append(piece)
             owners.append(i)
     counts: list[torch.Tensor] = []

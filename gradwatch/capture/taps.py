@@ -54,14 +54,13 @@ from .. import _compat, registry
 from .buffer import stat_dtype
 from .grad_passthrough import can_pass_through, pass_through
 from .grad_statistics import GradStatistics
+from .host_cells import ClockScale, HostCells
 from .layers import LayerSpec, grad_tensors
 from ..distributed.sharding import local_tensor
 
 #: Projection weights are drawn once for up to this many rows (64 KiB); longer gradients
 #: generate theirs (four more ops, on sampled steps only).
 _PROJECTION_ROWS = 1 << 14
-#: The forward clock starts here and counts down: a layer's first call keeps the largest value.
-CLOCK_START = float(1 << 24)
 _set_grad_enabled = torch._C._set_grad_enabled  # traceable, and cheaper than detach() per call
 
 
@@ -154,6 +153,7 @@ class DeviceCells:
     #: [n x K] the declared output statistics' accumulators of the step (registry/outputs.py), sampled steps
     outputs: torch.Tensor
     weights: torch.Tensor  # [_PROJECTION_ROWS] positive projection weights in [1, 2)
+    clock_scale: ClockScale  # where the clock starts and how far a compiled call counts it down
 
     @property
     def n(self) -> int:
@@ -166,7 +166,7 @@ class DeviceCells:
         self.backward.zero_()
         self.first_calls.zero_()
         self.outputs.zero_()
-        self.clock.fill_(CLOCK_START)
+        self.clock.fill_(self.clock_scale.start)
 
     def reset_window(self) -> None:
         """Zero every cell (a new window, or calls no step() will claim)."""
@@ -174,7 +174,7 @@ class DeviceCells:
         self.first_calls.zero_()
         self.backward.zero_()
         self.outputs.zero_()
-        self.clock.fill_(CLOCK_START)
+        self.clock.fill_(self.clock_scale.start)
 
 
 class Cells:
@@ -189,6 +189,9 @@ class Cells:
         self.devices: list[DeviceCells] = []
         self.taps: list[OutputTap] = []
         self.plan = RecordingFlags()
+        scales = {device: ClockScale(stat_dtype(device)) for device in by_device}
+        #: what eager taps count on the host (``host_cells.py``); ordered on the host where every device's clock leaves room
+        self.host = HostCells(self.n_layers, ClockScale(torch.float64).tick)
         per_layer: dict[int, tuple[DeviceCells, int, int]] = {}
         for device, members in by_device.items():
             n = len(members)
@@ -201,11 +204,12 @@ class Cells:
                 sums=torch.zeros(n, dtype=torch.float32, device=device),
                 first_calls=torch.zeros(n, dtype=dtype, device=device),
                 backward=torch.zeros(3 * n + sum(units), dtype=dtype, device=device),
-                clock=torch.full((1,), CLOCK_START, dtype=dtype, device=device),
+                clock=torch.full((1,), scales[device].start, dtype=dtype, device=device),
                 sampled=torch.ones(1, dtype=torch.bool, device=device),
                 sampled_count=torch.ones(1, dtype=dtype, device=device),
                 outputs=torch.zeros(n * registry.accumulator_count(), dtype=dtype, device=device),
                 weights=torch.rand(_PROJECTION_ROWS, generator=generator).add_(1.0).to(device),
+                clock_scale=scales[device],
             )
             self.devices.append(cells)
             self.plan.device_flags.append((cells.sampled, cells.sampled_count))
@@ -221,6 +225,9 @@ class Cells:
                 OutputTap(
                     layer,
                     self.plan,
+                    host=self.host,
+                    index=i,
+                    clock_scale=cells.clock_scale,
                     forward_sum=_alias(cells.sums, k, k + 1),
                     first_call=_alias(cells.first_calls, k, k + 1),
                     clock=cells.clock,
@@ -268,19 +275,29 @@ class OutputTap:
     value that is the same for every layer of the same shape (see the module docstring).
     """
 
-    def __init__(self, layer: LayerSpec, plan: RecordingFlags, *, forward_sum: torch.Tensor,
-                 first_call: torch.Tensor, clock: torch.Tensor, sampled: torch.Tensor, sampled_count: torch.Tensor,
-                 out_sq: torch.Tensor, calls: torch.Tensor, samples: torch.Tensor, units: torch.Tensor,
-                 weights: torch.Tensor, output_stats: torch.Tensor | None = None,
+    def __init__(self, layer: LayerSpec, plan: RecordingFlags, *, host: HostCells, index: int,
+                 clock_scale: ClockScale, forward_sum: torch.Tensor, first_call: torch.Tensor, clock: torch.Tensor,
+                 sampled: torch.Tensor, sampled_count: torch.Tensor, out_sq: torch.Tensor, calls: torch.Tensor,
+                 samples: torch.Tensor, units: torch.Tensor, weights: torch.Tensor,
+                 output_stats: torch.Tensor | None = None,
                  output_elements: torch.Tensor | None = None) -> None:  # fmt: skip
         self.plan = plan
         self.name = layer.name  # read on the failure path only
         #: what each output gradient contributes (sum of squares, dead-unit evidence)
         self.grad_stats = GradStatistics(layer.units, layer.channel_first, weights, out_sq.dtype)
+        #: eager taps count calls, samples, output elements and their place in the forward on the host
+        self.host, self.index = host, index
+        #: how far a compiled call counts the clock down; eager taps order themselves on the host (True)
+        #: or count it down too (float32 cells: ``host_cells.ClockScale``)
+        self.clock_tick, self.host_order = clock_scale.tick, clock_scale.host_order
         self.forward_sum = forward_sum
-        # The same cell as a 0-d tensor: the out= of a one-op sum (eager; see record_output).
+        # The same cells as a 0-d tensor and a row: the out= of one-op writes (eager; a layer's first
+        # call of a step writes its results into its cells, later calls add to them).
         self.step_sum = forward_sum.data.view(())
-        self.checked_at = -1  # plan.step when this tap last checked an output (eager)
+        self.step_sq = out_sq.data.view(())
+        self.unit_row = units.data.view(1, units.numel())
+        # plan.step at this tap's latest forward check, forward order, output statistics and output gradient (eager)
+        self.checked_at = self.ordered_at = self.stats_at = self.grad_at = -1
         self.first_call = first_call
         self.clock = clock
         self.sampled = sampled
@@ -325,12 +342,27 @@ class OutputTap:
         if first is None or first.device != self.forward_sum.device:
             return
         for tap in (self, *self.also):
-            tap._advance_clock()
+            tap._mark_order()
+
+    def _mark_order(self) -> None:
+        """Forward order (eager): at the layer's first call of the step, the device clock (which
+        compiled calls count down) and the host's place among the eager calls since the last compiled
+        one (``host_cells.py``); one op. Float32 cells: the clock alone, counted down by every call."""
+        if not self.host_order:
+            self.first_call.clamp_min_(self.clock)
+            self.clock.sub_(self.clock_tick)
+            return
+        step = self.plan.step
+        if self.ordered_at != step:
+            self.ordered_at = step
+            self.first_call.clamp_min_(self.clock)
+            self.host.order[self.index] = self.host.next_order()
 
     def _advance_clock(self) -> None:
-        """Forward order: the clock counts down, so a layer's first call keeps the largest value."""
+        """Forward order inside compiled code (``detail="full"``): the clock counts down, so a layer's
+        first call keeps the largest value."""
         self.first_call.clamp_min_(self.clock)
-        self.clock.sub_(1.0)
+        self.clock.sub_(self.clock_tick)
 
     def _record_outputs(self, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
@@ -374,15 +406,25 @@ class OutputTap:
             self._check_forward(local_tensor(out), plan)
             if sampling:
                 if not _compat.in_backward():  # a recomputation inside backward is not forward order
-                    self._advance_clock()
+                    self._mark_order()
                 if self.output_stats is not None:  # the declared output statistics (registry/outputs.py)
-                    local = local_tensor(out)
-                    self.output_stats.add_(registry.accumulate_all(local, self.output_stats.dtype, self.exact_outputs))
-                    self.output_elements.add_(local.numel())
+                    self._record_output_stats(local_tensor(out), plan.step)
         finally:
             _set_grad_enabled(True)  # the tap runs only with grad enabled
         if sampling and out.requires_grad:
             out.register_hook(self.on_output_grad)
+
+    def _record_output_stats(self, local: torch.Tensor, step: int) -> None:
+        """Eager: the declared output statistics of one call, written into the cells at the step's first
+        call (``out=``) and added after it; the element count on the host."""
+        stats = self.output_stats
+        if self.stats_at != step:
+            self.stats_at = step
+            registry.accumulate_all(local, stats.dtype, self.exact_outputs, into=stats)
+        else:
+            stats.add_(registry.accumulate_all(local, stats.dtype, self.exact_outputs))
+        self.host.elements[self.index] += local.numel()
+        self.host.touched = True
 
     def _record_output_traced(self, out: torch.Tensor) -> None:
         """``record_output`` inside compiled code: every step's graph is the sampled one, and what
@@ -400,7 +442,7 @@ class OutputTap:
                 # The clock is finite and non-negative, so a product keeps it or makes it 0, which
                 # the first-call cell (zeroed at sampled steps, never negative) ignores.
                 self.first_call.clamp_min_(self.clock * count)
-                self.clock.sub_(count)
+                self.clock.sub_(count * self.clock_tick)
             if self.output_stats is not None:
                 values = registry.accumulate_all(local, self.output_stats.dtype)
                 self.output_stats.add_(values if every_step else torch.where(self.sampled, values, 0.0))
@@ -445,10 +487,27 @@ class OutputTap:
         return grad
 
     def _record_grad(self, g: torch.Tensor) -> None:
-        """Fold one output gradient into the step's cells (eager hooks run on sampled steps only)."""
-        if torch.compiler.is_compiling() and not self.plan.every_step:
-            self._record_grad_traced(g)
+        """Fold one output gradient into the step's cells (eager hooks run on sampled steps only):
+        its statistics written into the cells at the step's first gradient, added after it; the
+        calls and samples counted on the host."""
+        if torch.compiler.is_compiling():
+            if self.plan.every_step:
+                self._record_grad_every_step(g)
+            else:
+                self._record_grad_traced(g)
             return
+        step = self.plan.step
+        first = self.grad_at != step
+        self.grad_at = step
+        samples = self.grad_stats.record(g, self.step_sq, self.unit_row, first)
+        host, i = self.host, self.index
+        host.calls[i] += 1.0
+        host.samples[i] += samples
+        host.touched = True
+
+    def _record_grad_every_step(self, g: torch.Tensor) -> None:
+        """``_record_grad`` inside compiled code with ``detail="full"``: every step is sampled, the
+        counts are device cells (compiled code runs no host code per call)."""
         sq, evidence, samples = self.grad_stats.of(g)
         self.calls.add_(1.0)
         self.out_sq.add_(sq)

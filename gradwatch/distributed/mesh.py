@@ -34,6 +34,7 @@ import torch
 
 from ..capture.buffer import StatBuffer
 from ..capture.devices import host_to_device, index_tensor
+from ..capture.host_cells import CLOCK_SPAN
 from ..capture.layers import LayerSpec
 from ..capture.layout import Layout, starts
 from ..capture.param_stats import ParamStats
@@ -41,7 +42,7 @@ from ..registry.states import Sizes, StateDecl, declare_states, declared
 from .tensor_parallel import OutputShare
 
 #: A stage's forward clock values are lifted by (stages after it) x this: more than a clock runs in a step.
-_STAGE_SPAN = float(1 << 25)
+_STAGE_SPAN = 2 * CLOCK_SPAN
 
 
 @dataclass

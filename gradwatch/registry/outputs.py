@@ -107,10 +107,13 @@ def accumulator_count() -> int:
     return 1 + declared if declared else 0
 
 
-def accumulate_all(out: torch.Tensor, dtype: torch.dtype, exact: bool = True) -> torch.Tensor:
-    """Every statistic's accumulators of one output, as one 1-D tensor of ``dtype`` (traceable); the
-    element count is added by the tap (``out.numel()``, no op). ``exact``: see ``OutputStatistic``."""
-    return torch.stack([value for s in OUTPUT_STATISTICS for value in s.accumulate(out, dtype, exact)])
+def accumulate_all(out: torch.Tensor, dtype: torch.dtype, exact: bool = True,
+                   into: torch.Tensor | None = None) -> torch.Tensor:
+    """Every statistic's accumulators of one output, as one 1-D tensor (traceable); the element
+    count is added by the tap (``out.numel()``, no op). ``exact``: see ``OutputStatistic``.
+    ``into``: written there (``out=``, converted to its dtype: an eager tap's first call of a step)."""
+    values = [value for s in OUTPUT_STATISTICS for value in s.accumulate(out, dtype, exact)]
+    return torch.stack(values) if into is None else torch.stack(values, out=into)
 
 
 def decode_all(accumulators: np.ndarray) -> dict[str, np.ndarray]:

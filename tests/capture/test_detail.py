@@ -73,19 +73,55 @@ def _ops_per_step(
     return counter.count / counted, counter.ops
 
 
+#: The default's aten ops per step over a whole window, above an unmonitored step's (#30 asks +5%).
+#: Measured (CPU path / accelerators' path): MLP +7.0% / +7.3%, Transformer +4.9% / +4.8%. Before
+#: the eager taps counted on the host and wrote their first call with out= (#30, this session):
+#: +8.4% / +9.3% and +6.1% / +6.6%; before the forward check became one op per layer: +10.9% and
+#: +8.4%. The MLP cannot reach +5%: its whole step is ~35 ops a layer, and the forward check (one op
+#: a layer at every step, what names a NaN's origin), step()'s fixed 5 and the contract's sampled
+#: statistics (3 steps in 50, ~10 ops a layer) add up to +6.2% before any bookkeeping
+#: (benchmarks/RESULTS.md).
+_OPS_BUDGET = {"_mlp": 0.075, "_transformer": 0.05}
+
+
 @pytest.mark.parametrize("make", [_mlp, _transformer], ids=["mlp8x512-batch64", "transformer4x256-adam"])
-def test_default_adds_at_most_eight_and_a_half_percent_aten_ops_per_step(make):
+def test_the_default_adds_at_most_its_budget_of_aten_ops_per_step(make, param_path):
     plain, plain_ops = _ops_per_step(make, monitored=False, window=2, counted=10)  # the same every step
     standard, standard_ops = _ops_per_step(make, monitored=True)
     full, _ = _ops_per_step(make, monitored=True, detail="full", window=10, counted=10)
     plain_ops = collections.Counter({op: n * 5 for op, n in plain_ops.items()})  # per 50 steps
     extra = standard - plain
-    # Measured: MLP +8.3% (26 ops: 9 forward checks, 5 for step() at every step, ~12 of the three
-    # sampled steps' statistics spread over the window), Transformer +6.0%. Before the forward
-    # check became one op per layer (#30): +10.9% and +8.4%. benchmarks/RESULTS.md says why the
-    # MLP cannot reach +5% with the contract's sampled statistics.
-    assert extra <= 0.085 * plain, (plain, standard, (standard_ops - plain_ops).most_common(10))
+    budget = _OPS_BUDGET[make.__name__]
+    assert extra <= budget * plain, (plain, standard, (standard_ops - plain_ops).most_common(10))
     assert full - plain > 2 * extra  # the budget is met by reading less, not by counting differently
+
+
+@pytest.mark.parametrize("make", [_mlp, _transformer], ids=["mlp8x512-batch64", "transformer4x256-adam"])
+def test_a_sampled_step_adds_a_few_ops_per_layer_call_to_the_hooks(make):
+    # #30: on a sampled step an eager tap does the forward order (one op), the output statistics
+    # (norm, square, count, one stack written into its cells), and on the output gradient its row
+    # norms, their dot, the projection and its square: counts (calls, samples, elements) are
+    # host numbers, and a layer's first call writes its cells (out=) instead of adding to them.
+    def hook_ops(slot: int) -> tuple[int, int]:
+        torch.manual_seed(0)
+        model, x, y = make()
+        monitor = GradMonitor(model, flush_every=10)
+        counter = OpCounter()
+        for step in range(slot + 1):
+            with counter if step == slot else contextlib.nullcontext():
+                nn.functional.cross_entropy(model(x), y).backward()  # the hooks, not step()
+            monitor.step()
+            model.zero_grad()
+        layers = len(monitor.layers)
+        monitor.close()
+        return counter.count, layers
+
+    sampled, layers = hook_ops(11)  # slot 1 of the second window
+    unsampled, _ = hook_ops(13)
+    per_layer = (sampled - unsampled) / layers
+    # Measured: 9 (the MLP: 5 forward, 4 backward), 9.96 (the Transformer: a view more for each 3-D
+    # output gradient). Before: 18 and 19.6.
+    assert per_layer <= 10, per_layer
 
 
 @pytest.mark.parametrize("make", [_mlp, _transformer], ids=["mlp8x512-batch64", "transformer4x256-adam"])

@@ -1,0 +1,97 @@
+"""The forward order where eager and compiled layers alternate (a regionally compiled model whose
+embedding, head and some blocks stay eager): eager taps order themselves on the host between the
+compiled calls, which count the device clock down (capture/host_cells.py). The order is what names
+the first layer of a NaN, so it must be the order the layers ran in, whichever way each was run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+
+from gradwatch import GradMonitor, HealthConfig
+from gradwatch.capture import buffer as buffer_module
+from gradwatch.capture import taps as taps_module
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.norm(self.fc(x)))
+
+
+class Mixed(nn.Module):
+    """Modules declared in one order and called in another: eager, compiled, two eager, compiled,
+    eager, and an eager layer called twice (its first call is its place)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.head = nn.Linear(width, 3)
+        self.late = Block(width)  # compiled, runs second to last
+        self.shared = nn.Linear(width, width)  # eager, called twice
+        self.early = Block(width)  # compiled, runs second
+        self.inp = nn.Linear(4, width)
+        self.mid = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        h = self.early(h)
+        h = self.shared(torch.relu(self.mid(h)))
+        h = self.late(h)
+        return self.head(self.shared(h))
+
+
+CALL_ORDER = ["inp", "early.fc", "early.norm", "mid", "shared", "late.fc", "late.norm", "head"]
+
+
+def _orders(model: nn.Module, steps: int, detail: str) -> list[list[str]]:
+    monitor = GradMonitor(model, flush_every=steps, detail=detail, config=HealthConfig(stop_on=frozenset()))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        model(torch.randn(5, 4, generator=g)).square().mean().backward()
+        monitor.step()
+        model.zero_grad()
+    w = monitor.last_window
+    monitor.close()
+    return [[w.layers[i] for i in w.step_orders[t][0]] for t in range(steps) if w.sampled[t]]
+
+
+@pytest.mark.parametrize("detail", ["standard", "full"])
+def test_the_forward_order_runs_through_eager_and_compiled_layers(detail):
+    torch.manual_seed(0)
+    model = Mixed()
+    for block in (model.early, model.late):
+        block.compile(backend="aot_eager", fullgraph=True)
+    orders = _orders(model, steps=4, detail=detail)
+    assert len(orders) >= 2  # the default samples slots 0 and 1
+    for order in orders:
+        assert order == CALL_ORDER
+
+
+def test_float32_cells_keep_the_exact_order_eager(monkeypatch):
+    # Cells in float32 (Apple MPS has no float64) cannot hold the host's place between two clock
+    # values: there eager taps count the clock down themselves. Here on the CPU, by making the
+    # statistics dtype float32 as it is on MPS.
+    monkeypatch.setattr(buffer_module, "stat_dtype", lambda device: torch.float32)
+    monkeypatch.setattr(taps_module, "stat_dtype", lambda device: torch.float32)
+    torch.manual_seed(0)
+    model = Mixed()
+    monitor_dtype_check = GradMonitor(model, flush_every=2)
+    assert monitor_dtype_check._recorder.buffer.dtype == torch.float32
+    assert not monitor_dtype_check._recorder.cells.taps[0].host_order
+    monitor_dtype_check.close()
+    for order in _orders(model, steps=2, detail="standard"):
+        assert order == CALL_ORDER
