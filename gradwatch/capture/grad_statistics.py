@@ -91,8 +91,8 @@ class GradStatistics:
         if rows.dtype not in (torch.float32, torch.float64):
             rows = rows.float()  # half-precision squares overflow
         n = rows.shape[0]
-        if self.unit_sums:  # dead_eps > 0: per-unit norms, compared with dead_eps
-            return sq, torch.linalg.vector_norm(rows, 2, dim=0), float(n)
+        if self.unit_sums:  # dead_eps > 0: per-unit norms, compared with dead_eps (float64: exact at any size)
+            return sq, torch.linalg.vector_norm(rows, 2, dim=0, dtype=acc), float(n)
         # Projection on fixed positive weights (one matrix-vector product): zero for a unit
         # whose gradient is zero for every row, and (but for an exact cancellation against
         # random weights) not otherwise. Squared when added, so that calls never cancel.
@@ -109,9 +109,10 @@ class GradStatistics:
             g: the output gradient (this rank's piece).
             sq: the 0-d sum-of-squares cell.
             units: the (1, units) dead-unit evidence cell (squares of the projection, or of per-unit
-                norms with ``unit_sums``).
-            first: the layer's first output gradient of the step: the results are written into the
-                cells (``out=``, one op each), not added (the cells hold an older step's values).
+                norms with ``unit_sums``), added in its own dtype (float64: the square of a float32
+                projection of 1e-25 gradients would underflow to a dead unit's zero).
+            first: the layer's first output gradient of the step: the sum of squares is written into
+                its cell (``out=``, one op), not added (the cell holds an older step's value).
 
         Returns:
             the samples behind the dead-unit evidence (0.0: ``g`` is none).
@@ -123,7 +124,8 @@ class GradStatistics:
             _write(_sum_all, (rows.square(),), sq, first)
             if not self.judged(g):
                 return 0.0
-            _write(torch.square, (torch.linalg.vector_norm(rows, 2, dim=0, keepdim=True),), units, first)
+            evidence = torch.linalg.vector_norm(rows, 2, dim=0, keepdim=True)
+            units.addcmul_(evidence, evidence)
             return float(g.shape[0])
         rows = g if ndim == 2 else g.reshape(-1, g.shape[-1]) if ndim > 2 else g.reshape(1, -1)
         row_norms = torch.linalg.vector_norm(rows, 2, dim=1, dtype=self.dtype)
@@ -133,11 +135,11 @@ class GradStatistics:
         if rows.dtype not in (torch.float32, torch.float64):
             rows = rows.float()  # half-precision squares overflow
         n = rows.shape[0]
-        if self.unit_sums:
-            evidence = torch.linalg.vector_norm(rows, 2, dim=0, keepdim=True)
+        if self.unit_sums:  # as in :meth:`of`
+            evidence = torch.linalg.vector_norm(rows, 2, dim=0, keepdim=True, dtype=self.dtype)
         else:  # the projection of :meth:`of`, as a (1, n) x (n, units) product: no transpose
             evidence = torch.mm(self._weight_row(n, rows.dtype, rows.device), rows)
-        _write(torch.square, (evidence,), units, first)
+        units.addcmul_(evidence, evidence)
         return float(n)
 
     def _weight_row(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -161,12 +163,10 @@ def _sum_all(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def _write(fn, args: tuple, cell: torch.Tensor, first: bool) -> None:  # type: ignore[no-untyped-def]
-    """``cell = fn(*args)`` in one op (``out=``) at a step's first call, else ``cell += fn(*args)``;
-    ``cell`` is viewed as the result's shape (the unit cells are (1, units), the sums 0-d)."""
+    """``cell = fn(*args)`` in one op (``out=``, in the arguments' dtype) at a step's first call, else
+    ``cell += fn(*args)``."""
     if first:
         fn(*args, out=cell)
-    elif fn is torch.square:
-        cell.addcmul_(args[0], args[0])
     else:
         cell.add_(fn(*args))
 

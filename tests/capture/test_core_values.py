@@ -315,6 +315,33 @@ def test_dead_units_exact_zero_and_with_dead_eps(dead_eps, expected):
     monitor.close()
 
 
+@pytest.mark.parametrize("dead_eps", [0.0, 1e-40], ids=["projection", "unit-sums"])
+def test_tiny_output_gradients_are_alive_and_have_their_norm(dead_eps):
+    # Output gradients of ~1e-25 (a layer deep in a vanishing network): float32 squares of them
+    # vanish, so the dead-unit evidence must be squared in float64, or every unit would read dead;
+    # and out_grad_norm must be their float64 norm, not 0. Unit 3 gets no gradient at all: dead.
+    from gradwatch import HealthConfig
+
+    torch.manual_seed(0)
+    lin, conv = nn.Linear(4, 4), nn.Conv2d(2, 3, 3, padding=1)
+    model = nn.ModuleDict({"lin": lin, "conv": conv})
+    scale = torch.tensor([1e-25, 3e-25, 2e-25, 0.0])
+    monitor = GradMonitor(model, flush_every=3, config=HealthConfig(dead_eps=dead_eps), detail="full")
+    expected = []
+    for _ in range(3):
+        out, image = lin(torch.randn(8, 4)), conv(torch.randn(2, 2, 5, 5))
+        out.retain_grad(), image.retain_grad()
+        ((out * scale).sum() + image.sum() * 1e-26).backward()
+        expected.append([float(out.grad.double().norm()), float(image.grad.double().norm())])
+        monitor.step()
+        model.zero_grad()
+    w = monitor.last_window
+    monitor.close()
+    assert expected[0][0] > 0 and float(torch.linalg.vector_norm(torch.full((8,), 1e-25))) == 0.0  # it means something
+    assert w.out_grad_norm.tolist() == [pytest.approx(e, rel=1e-6, abs=0) for e in expected]
+    assert w.dead_fraction.tolist() == [pytest.approx(0.25), 0.0]  # lin: only unit 3; conv: none
+
+
 def test_chunked_nonfinite_count_matches_isfinite():
     """The accelerator path counts in bounded chunks; checked here on CPU tensors."""
     from gradwatch.capture.param_stats import nonfinite_counts as _nonfinite_counts
