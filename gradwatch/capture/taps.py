@@ -1,9 +1,11 @@
 """What runs inside the model's forward and backward: traceable taps into per-step accumulators.
 
 Every module gradwatch watches gets one ``OutputTap``, registered as its forward hook.
-The tap and the tensor hook it puts on the module's output do nothing but tensor ops
-into *cells*: small tensors declared when the monitor attaches, one per layer and
-statistic, that accumulate the current step. ``Recorder.record_step`` copies them into
+The tap and the tensor hook it puts on the module's output (``grad_tap.py``) do nothing but
+tensor ops into *cells*: small tensors declared when the monitor attaches, one per layer and
+statistic, that accumulate the current step; eager taps also count what they know without a
+tensor (calls, samples, elements, their forward order) in numpy (``host_cells.py``), which
+compiled code never touches. ``Recorder.record_step`` copies them into
 the step's row of the buffer and zeroes what a step accumulates. There is no logging, no
 host read, no Python container that grows, and no branch on strides in a tap, so the same
 code runs eagerly and inside ``torch.compile(fullgraph=True)`` (whole model or regional),
@@ -54,6 +56,7 @@ from .. import _compat, registry
 from .buffer import stat_dtype
 from .grad_passthrough import can_pass_through, pass_through
 from .grad_statistics import GradStatistics
+from .grad_tap import GradTap
 from .host_cells import ClockScale, HostCells
 from .layers import LayerSpec, grad_tensors
 from ..distributed.sharding import local_tensor
@@ -159,6 +162,25 @@ class DeviceCells:
     def n(self) -> int:
         return len(self.layers)
 
+    @classmethod
+    def declare(cls, device: torch.device, members: list[int], units: int) -> "DeviceCells":
+        """Zeroed cells on ``device`` for the layers ``members`` (global indices) with ``units`` units in all."""
+        n, dtype, scale = len(members), stat_dtype(device), ClockScale(stat_dtype(device))
+        generator = torch.Generator().manual_seed(20261129)
+        return cls(
+            device=device,
+            layers=np.array(members, dtype=np.int64),
+            sums=torch.zeros(n, dtype=torch.float32, device=device),
+            first_calls=torch.zeros(n, dtype=dtype, device=device),
+            backward=torch.zeros(3 * n + units, dtype=dtype, device=device),
+            clock=torch.full((1,), scale.start, dtype=dtype, device=device),
+            sampled=torch.ones(1, dtype=torch.bool, device=device),
+            sampled_count=torch.ones(1, dtype=dtype, device=device),
+            outputs=torch.zeros(n * registry.accumulator_count(), dtype=dtype, device=device),
+            weights=torch.rand(_PROJECTION_ROWS, generator=generator).add_(1.0).to(device),
+            clock_scale=scale,
+        )
+
     def reset_step(self) -> None:
         """Zero what a sampled step accumulates: the backward cells and the forward clock (the
         taps write them on sampled steps only). The forward sums are zeroed at every step, by
@@ -189,28 +211,13 @@ class Cells:
         self.devices: list[DeviceCells] = []
         self.taps: list[OutputTap] = []
         self.plan = RecordingFlags()
-        scales = {device: ClockScale(stat_dtype(device)) for device in by_device}
-        #: what eager taps count on the host (``host_cells.py``); ordered on the host where every device's clock leaves room
+        #: what eager taps count on the host (``host_cells.py``)
         self.host = HostCells(self.n_layers, ClockScale(torch.float64).tick)
         per_layer: dict[int, tuple[DeviceCells, int, int]] = {}
         for device, members in by_device.items():
             n = len(members)
             units = [int(unit_count[i]) for i in members]
-            dtype = stat_dtype(device)
-            generator = torch.Generator().manual_seed(20261129)
-            cells = DeviceCells(
-                device=device,
-                layers=np.array(members, dtype=np.int64),
-                sums=torch.zeros(n, dtype=torch.float32, device=device),
-                first_calls=torch.zeros(n, dtype=dtype, device=device),
-                backward=torch.zeros(3 * n + sum(units), dtype=dtype, device=device),
-                clock=torch.full((1,), scales[device].start, dtype=dtype, device=device),
-                sampled=torch.ones(1, dtype=torch.bool, device=device),
-                sampled_count=torch.ones(1, dtype=dtype, device=device),
-                outputs=torch.zeros(n * registry.accumulator_count(), dtype=dtype, device=device),
-                weights=torch.rand(_PROJECTION_ROWS, generator=generator).add_(1.0).to(device),
-                clock_scale=scales[device],
-            )
+            cells = DeviceCells.declare(device, members, sum(units))
             self.devices.append(cells)
             self.plan.device_flags.append((cells.sampled, cells.sampled_count))
             offset = 3 * n
@@ -285,27 +292,24 @@ class OutputTap:
         self.name = layer.name  # read on the failure path only
         #: what each output gradient contributes (sum of squares, dead-unit evidence)
         self.grad_stats = GradStatistics(layer.units, layer.channel_first, weights, out_sq.dtype)
-        #: eager taps count calls, samples, output elements and their place in the forward on the host
+        #: what the layer records of its output gradients
+        self.grad_tap = GradTap(plan, self.grad_stats, host=host, index=index, out_sq=out_sq, calls=calls,
+                                samples=samples, units=units, sampled=sampled, sampled_count=sampled_count,
+                                failed=self.failed)  # fmt: skip
+        #: the tensor hook on the output (sampled steps; every step inside compiled code)
+        self.on_output_grad = self.grad_tap.on_output_grad
+        #: eager taps count output elements and their place in the forward on the host
         self.host, self.index = host, index
         #: how far a compiled call counts the clock down; eager taps order themselves on the host (True)
         #: or count it down too (float32 cells: ``host_cells.ClockScale``)
         self.clock_tick, self.host_order = clock_scale.tick, clock_scale.host_order
         self.forward_sum = forward_sum
-        # The same cells as a 0-d tensor and a row: the out= of one-op writes (eager; a layer's first
-        # call of a step writes its results into its cells, later calls add to them).
+        # The same cell as a 0-d tensor: the out= of a one-op sum (eager; see _check_forward).
         self.step_sum = forward_sum.data.view(())
-        self.step_sq = out_sq.data.view(())
-        self.unit_row = units.data.view(1, units.numel())
-        # plan.step at this tap's latest forward check, forward order, output statistics and output gradient (eager)
-        self.checked_at = self.ordered_at = self.stats_at = self.grad_at = -1
-        self.first_call = first_call
-        self.clock = clock
-        self.sampled = sampled
-        self.sampled_count = sampled_count
-        self.out_sq = out_sq
-        self.calls = calls
-        self.samples = samples
-        self.units = units
+        # plan.step at this tap's latest forward check, forward order and output statistics (eager)
+        self.checked_at = self.ordered_at = self.stats_at = -1
+        self.first_call, self.clock = first_call, clock
+        self.sampled, self.sampled_count = sampled, sampled_count
         self.output_stats = output_stats  # None: no output statistic is declared
         self.output_elements = output_elements
         #: eager: reduce the output statistics in float64 (False: the last window's outputs allow
@@ -473,67 +477,6 @@ class OutputTap:
     def __reduce__(self) -> tuple:
         return (_inert, ())
 
-    # ---------------------------------------------------------------- backward
-    def on_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """Tensor hook on the output: sum of squares (float64), calls and dead-unit evidence."""
-        grad_mode = torch.is_grad_enabled()  # on only in a backward with create_graph=True
-        _set_grad_enabled(False)
-        try:
-            self._record_grad(local_tensor(grad))
-        except Exception as exc:  # as in __call__
-            self.failed(exc)
-        finally:
-            _set_grad_enabled(grad_mode)
-        return grad
-
-    def _record_grad(self, g: torch.Tensor) -> None:
-        """Fold one output gradient into the step's cells (eager hooks run on sampled steps only):
-        its statistics written into the cells at the step's first gradient, added after it; the
-        calls and samples counted on the host."""
-        if torch.compiler.is_compiling():
-            if self.plan.every_step:
-                self._record_grad_every_step(g)
-            else:
-                self._record_grad_traced(g)
-            return
-        step = self.plan.step
-        first = self.grad_at != step
-        self.grad_at = step
-        samples = self.grad_stats.record(g, self.step_sq, self.unit_row, first)
-        host, i = self.host, self.index
-        host.calls[i] += 1.0
-        host.samples[i] += samples
-        host.touched = True
-
-    def _record_grad_every_step(self, g: torch.Tensor) -> None:
-        """``_record_grad`` inside compiled code with ``detail="full"``: every step is sampled, the
-        counts are device cells (compiled code runs no host code per call)."""
-        sq, evidence, samples = self.grad_stats.of(g)
-        self.calls.add_(1.0)
-        self.out_sq.add_(sq)
-        if evidence is not None:
-            self.units.addcmul_(evidence, evidence)
-            self.samples.add_(samples)
-
-    def _record_grad_traced(self, g: torch.Tensor) -> None:
-        """``_record_grad`` inside compiled code: the statistics are computed on sampled steps only,
-        by a branch the graph takes at run time on the host's flag (``torch.cond``; a CPU tensor, so
-        reading it never waits for the device), and added to the cells as deltas (a branch of
-        ``torch.cond`` may not write its inputs)."""
-        count, stats = self.sampled_count, self.grad_stats
-        self.calls.add_(count)
-        if _compat.in_compiled_autograd() or not _compat.COND_IN_HOOKS:
-            # Compiled autograd traces this hook into its own graph, where torch.cond fails (and a
-            # torch before 2.13 is untested with it): computed at every step, kept where this
-            # device's flag says so (a non-finite value cannot leak).
-            sq, evidence = stats.deltas(g)
-            sq, evidence = torch.where(self.sampled, sq, 0.0), torch.where(self.sampled, evidence, 0.0)
-        else:
-            sq, evidence = torch.cond(self.plan.on_host, stats.deltas, stats.no_deltas, (g,))
-        self.out_sq.add_(sq)
-        if stats.judged(g):
-            self.units.add_(evidence)
-            self.samples.add_(count * stats.samples(g))
 
 def inert_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
     """What a copied or unpickled model keeps of gradwatch's forward hook: nothing."""
