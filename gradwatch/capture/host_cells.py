@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .devices import host_to_device
 from .layout import Layout
 from ..registry.outputs import accumulator_count
 from ..registry.states import FWD_ORDER, OUT_GRAD, OUT_STATS
@@ -91,15 +92,14 @@ class HostCellMoves:
         layout: the rank's layout (its buffer holds the rows).
         cells: the counts.
         numpy_rows: the buffer is host memory read through numpy (the CPU path): add there, no op.
-            Otherwise one staged copy to the buffer's device (pinned, asynchronous on CUDA: the
-            host never waits) and three adds.
+            Otherwise one copy to the buffer's device (``devices.host_to_device``: pinned and
+            asynchronous on CUDA, the host never waits) and three adds.
     """
 
     def __init__(self, layout: Layout, cells: HostCells, numpy_rows: bool) -> None:
         buffer = layout.buffer
         self.cells = cells
         self.device, self.dtype = buffer.device, buffer.dtype
-        self.cuda = buffer.device.type == "cuda"
         self.numpy_rows = numpy_rows and buffer.device.type == "cpu"
         self.has_stats = accumulator_count() > 0
         n, steps = len(layout.names), layout.flush_every
@@ -125,10 +125,9 @@ class HostCellMoves:
             if self._stats is not None:
                 self._stats[slot, :, 0] += values[3]
             return
-        # A fresh (pinned) block: the copy to the device may still read it after step() returns.
-        staged = torch.empty(values.shape, dtype=self.dtype, pin_memory=self.cuda)
-        staged.copy_(torch.from_numpy(values))
-        order, counts, elements = staged.to(self.device, non_blocking=self.cuda).split([1, 2, 1])
+        # On CUDA a fresh pinned copy (the copy to the device may still read it after step() returns
+        # and the counts are cleared); on the CPU the counts themselves, added before they are.
+        order, counts, elements = host_to_device(values, self.device, self.dtype).split([1, 2, 1])
         self._order_rows[slot].add_(order)
         self._count_rows[slot].add_(counts)
         if self.has_stats:
