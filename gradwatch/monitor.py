@@ -12,6 +12,7 @@ from torch import nn
 from . import _compat
 from .alerts import Alert, GradientHealthError
 from .capture.attach import build_recorder, build_updates
+from .capture.updates import NOT_ON_FLAT_PARAMETERS, steps_flat_parameters
 from .capture.layers import discover_layers
 from .config import HealthConfig
 from .distributed.collectives import Collectives
@@ -155,9 +156,12 @@ class GradMonitor:
 
         Raises:
             ValueError: the monitor was created without ``optimizer=`` (its buffer has no update
-                states: create the monitor with ``optimizer=``), or the optimizer holds none of the
-                monitored parameters. TypeError: not an optimizer.
+                states: create the monitor with ``optimizer=``), the optimizer holds none of the
+                monitored parameters, or it steps FSDP1's flat parameters (``use_orig_params=False``).
+                TypeError: not an optimizer.
         """
+        if steps_flat_parameters(self._recorder.param_stats.params):
+            raise ValueError(NOT_ON_FLAT_PARAMETERS)
         if self._recorder.updates is None or not self._recorder.layout.track_updates:
             raise ValueError(
                 "this monitor was created without optimizer=, so it keeps no update_ratio states: close() it "

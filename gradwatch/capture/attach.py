@@ -9,10 +9,9 @@ from typing import Any, Callable
 
 import torch
 
-from .._compat.fsdp1 import is_placeholder
 from .layers import LayerSpec
 from .recorder import Recorder
-from .updates import UpdateRatio
+from .updates import NOT_ON_FLAT_PARAMETERS, UpdateRatio, steps_flat_parameters
 
 
 def build_recorder(monitor: Any, layers: list[LayerSpec], flush_every: int, device: torch.device, *,
@@ -26,13 +25,9 @@ def build_recorder(monitor: Any, layers: list[LayerSpec], flush_every: int, devi
     The hooks hold the monitor through a weak reference: dropping the monitor removes its hooks.
     ``monitor`` must have ``_closed`` and ``_next_step`` (the step an update belongs to).
     """
-    if optimizer is not None and all(is_placeholder(p) for layer in layers for p in layer.params):
-        # FSDP1 with use_orig_params=False: the optimizer steps FSDP's flat parameters, not layers.
+    if optimizer is not None and steps_flat_parameters([p for layer in layers for p in layer.params]):
         # Said, not raised: the Lightning callback passes the optimizer by itself.
-        logging.getLogger("gradwatch").warning(
-            "gradwatch: update_ratio is not measured under FSDP1 with use_orig_params=False (the optimizer "
-            "steps one flat parameter per wrapped unit, not the layers' parameters); pass use_orig_params=True "
-            "to measure it. Every other statistic is recorded")
+        logging.getLogger("gradwatch").warning("gradwatch: %s. Every other statistic is recorded", NOT_ON_FLAT_PARAMETERS)
         optimizer = None
     recorder = Recorder(
         layers, flush_every, device, scale_source, project_units=project_units, world_size=world_size,

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .._compat.fsdp1 import is_placeholder
 from .devices import foreach_norm, index_tensor
 from ..distributed.sharding import is_dtensor
 
@@ -36,6 +37,20 @@ CHUNK_BYTES = 64 << 20
 #: consecutive elements spread evenly over the flattened tensor (a matrix smaller than that: all of it).
 SAMPLE_RUNS, SAMPLE_RUN = 16, 64
 SAMPLE_ELEMENTS = SAMPLE_RUNS * SAMPLE_RUN
+
+
+#: Why update_ratio is not measured on FSDP1's flat parameters: said at attach (the Lightning
+#: callback passes the optimizer by itself), raised by ``GradMonitor.set_optimizer``.
+NOT_ON_FLAT_PARAMETERS = (
+    "update_ratio is not measured under FSDP1 with use_orig_params=False (the optimizer steps one flat "
+    "parameter per wrapped unit, not the layers' parameters); pass use_orig_params=True to measure it"
+)
+
+
+def steps_flat_parameters(params: list[torch.Tensor]) -> bool:
+    """Whether the monitored parameters are all gradwatch's placeholders of FSDP1's flat parameters
+    (``use_orig_params=False``): no optimizer steps them, so their updates cannot be measured."""
+    return bool(params) and all(is_placeholder(p) for p in params)
 
 
 class UpdateRatio:

@@ -69,6 +69,12 @@ def _run(rank: int, world: int, config: str) -> dict:
     logging.getLogger("gradwatch").addHandler(said)
     monitor = GradMonitor(model, flush_every=STEPS + 2, optimizer=opt, detail="full")  # close() flushes all
     logging.getLogger("gradwatch").removeHandler(said)
+    if "flat" in config.split("+"):  # handing the optimizer over later says the same, not "created without optimizer="
+        try:
+            monitor.set_optimizer(opt)
+            said.messages.append("set_optimizer: accepted")
+        except ValueError as exc:
+            said.messages.append(f"set_optimizer: {exc}")
     out_sq: dict[str, float] = {}
     alive: dict[str, torch.Tensor] = {}
 

@@ -9,6 +9,8 @@ import math
 
 import pytest
 
+from gradwatch.capture.updates import NOT_ON_FLAT_PARAMETERS
+
 pytestmark = pytest.mark.distributed
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -76,6 +78,8 @@ def test_fsdp1_without_original_parameters_reads_each_parameter_in_the_flat_grad
     for run in (run for result in results for run in result["runs"]):
         assert any("update_ratio is not measured under FSDP1 with use_orig_params=False" in m
                    for m in run["warnings"]), run["warnings"]  # fmt: skip
+        handed_over = [m for m in run["warnings"] if m.startswith("set_optimizer: ")]
+        assert handed_over == ["set_optimizer: " + NOT_ON_FLAT_PARAMETERS], handed_over
 
 
 def test_deepspeed_zero_1_2_and_3_give_the_whole_gradient(gloo):
