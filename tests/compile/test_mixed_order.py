@@ -69,13 +69,14 @@ def _orders(model: nn.Module, steps: int, detail: str) -> list[list[str]]:
     return [[w.layers[i] for i in w.step_orders[t][0]] for t in range(steps) if w.sampled[t]]
 
 
-@pytest.mark.parametrize("detail", ["standard", "full"])
-def test_the_forward_order_runs_through_eager_and_compiled_layers(detail):
+def test_the_forward_order_runs_through_eager_and_compiled_layers():
+    # The default detail (compiled taps count the clock down where the device's flag says the step
+    # is sampled); detail="full" with eager layers before and after compiled blocks is in test_compile.
     torch.manual_seed(0)
     model = Mixed()
     for block in (model.early, model.late):
         block.compile(backend="aot_eager", fullgraph=True)
-    orders = _orders(model, steps=4, detail=detail)
+    orders = _orders(model, steps=4, detail="standard")
     assert len(orders) >= 2  # the default samples slots 0 and 1
     for order in orders:
         assert order == CALL_ORDER

@@ -85,21 +85,27 @@ def test_report_text_table_is_aligned(demo_runs, capsys):
 
 
 @pytest.mark.slow
-def test_console_script_and_module_entry_point(tmp_path, capsys):
-    # Each entry point is a fresh interpreter importing torch (seconds on the CI machine): the
-    # module runs the demo, the console script the report; bad arguments are checked in-process.
+def test_console_script_and_module_entry_point(tmp_path, capsys, demo_runs):
+    # Each entry point is a fresh interpreter importing torch (seconds on the CI machine), so the
+    # two run side by side: the module runs the demo, the console script the report of a demo run
+    # made in-process; bad arguments are checked in-process.
     from gradwatch.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--steps", "0"])
     assert exit_info.value.code == 2 and ">= 1" in capsys.readouterr().err
-    demo = subprocess.run([sys.executable, "-m", "gradwatch", "demo", "--steps", "5", "--logdir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert demo.returncode == 0, demo.stderr
-    assert f"tensorboard --logdir {tmp_path}" in demo.stdout
+    demo = subprocess.Popen([sys.executable, "-m", "gradwatch", "demo", "--steps", "5", "--logdir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     script = os.path.join(os.path.dirname(sys.executable), "gradwatch")
-    if os.path.exists(script):
-        assert subprocess.run([script, "report", str(tmp_path)], capture_output=True).returncode == 0
+    report = subprocess.Popen([script, "report", demo_runs["dead"][0]], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) if os.path.exists(script) else None  # fmt: skip
+    stdout, stderr = demo.communicate(timeout=120)
+    assert demo.returncode == 0, stderr
+    assert f"tensorboard --logdir {tmp_path}" in stdout
+    if report is not None:  # the contract's exit status: 1 for a run that had alerts
+        printed, errors = report.communicate(timeout=120)
+        assert report.returncode == 1, errors
+        assert "dead_units" in printed, printed
 
 
 @pytest.fixture(scope="module")
