@@ -29,14 +29,6 @@ pytestmark = pytest.mark.compile
 BACKEND = "aot_eager"
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
 class Block(nn.Module):
     """A residual block, the unit a regionally compiled model compiles in place (as torchtitan does)."""
 

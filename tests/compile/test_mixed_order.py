@@ -8,29 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch._dynamo
 from torch import nn
 
 from gradwatch import GradMonitor, HealthConfig
 from gradwatch.capture import buffer as buffer_module
 from gradwatch.capture import taps as taps_module
 
+from .test_compile import Block
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(width, width)
-        self.norm = nn.LayerNorm(width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.relu(self.norm(self.fc(x)))
+pytestmark = pytest.mark.compile
 
 
 class Mixed(nn.Module):
