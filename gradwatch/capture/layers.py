@@ -51,6 +51,9 @@ class LayerSpec:
 
     #: each parameter's name on its module ("weight"; FSDP1's placeholders: the original's name)
     param_names: list[str] = dataclasses.field(default_factory=list)
+    #: per parameter: whole on this rank although its gradient is partitioned (DeepSpeed ZeRO 1/2;
+    #: ZeRO 3 and FSDP1 hold pieces of the parameter too)
+    whole_on_rank: list[bool] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.param_names:
@@ -62,6 +65,8 @@ class LayerSpec:
             self.pieces = [0] * len(self.params)
         if not self.grad_readers:
             self.grad_readers = [None] * len(self.params)
+        if not self.whole_on_rank:
+            self.whole_on_rank = [False] * len(self.params)
 
     def unit_dim(self, ndim: int) -> int:
         """Index of the unit dimension in an output with ``ndim`` dims."""
@@ -175,6 +180,7 @@ def _mark_grad_readers(candidates: list[LayerSpec]) -> None:
                           compiled.fsdp1.flat_gradient if compiled.fsdp1.is_placeholder(p) else None
                           for p in c.params]  # fmt: skip
         c.pieces = [zero.get(id(p), k) for p, k in zip(c.params, c.pieces)]
+        c.whole_on_rank = [id(p) in zero and compiled.deepspeed.zero_stage([p]) == "1 or 2" for p in c.params]
 
 
 def frozen_layers(model: nn.Module, include: str | Sequence[str] | None,

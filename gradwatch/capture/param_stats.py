@@ -26,7 +26,6 @@ from .layers import LayerSpec
 from .reductions import (  # noqa: F401  (StepRows, nonfinite_counts: their import path before the split)
     CpuBlasStats, ForeachStats, StepRows, TinyStats, _CpuSlots, complex_stats, nonfinite_counts,
 )
-from .._compat.deepspeed import zero_stage
 from ..distributed.sharding import is_dtensor, is_partial, local_piece, piece_weight
 
 log = logging.getLogger("gradwatch")
@@ -88,8 +87,9 @@ class _Columns:
         self.whole_ids: set[int] = set()
         for index, layer in enumerate(layers):
             may_be_sparse = bool(getattr(layer.module, "sparse", False))
-            for p, name, shape, count, reader in zip(layer.params, layer.param_names, layer.shapes, layer.pieces,
-                                                     layer.grad_readers):  # fmt: skip
+            for p, name, shape, count, reader, whole_here in zip(layer.params, layer.param_names, layer.shapes,
+                                                                 layer.pieces, layer.grad_readers,
+                                                                 layer.whole_on_rank):  # fmt: skip
                 self.params.append(p)
                 self.names.append(f"{layer.name}.{name}")
                 self.owner.append(index)
@@ -99,8 +99,8 @@ class _Columns:
                     self.sparse_capable.add(id(p))
                 if reader is not None:
                     self.readers[id(p)] = reader
-                    if zero_stage([p]) == "1 or 2":  # whole on this rank, its gradient partitioned
-                        self.whole_ids.add(id(p))
+                if whole_here:
+                    self.whole_ids.add(id(p))
 
 
 class ParamStats:
