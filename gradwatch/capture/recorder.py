@@ -174,6 +174,7 @@ class Recorder:
         for cells in self.cells.devices:
             cells.reset_window()
         self.cells.host.clear()
+        self.plan.step += 1  # the taps' next calls are their first since the cells were zeroed
 
     def write_update(self, step: int, columns: np.ndarray | None, index: torch.Tensor | None,
                      update_sq: torch.Tensor | None, weight_sq: torch.Tensor | None) -> None:  # fmt: skip
@@ -231,6 +232,7 @@ class Recorder:
         for cells in self.cells.devices:
             cells.reset_window()
         self.cells.host.clear()
+        self.plan.step += 1  # as in discard_pending
         self.update_steps = []
         self.slot = 0
         self.layout.start_window()

@@ -93,8 +93,9 @@ class RecordingFlags:
         #: value compiled code guards on, read back at every step
         self.grads_through_function = False
         self.active = True
-        #: Counts recorded steps: a tap that last checked an output at an earlier count is at its
-        #: step's first call (eager only; compiled code never reads it).
+        #: Counts recorded steps, and every zeroing of the cells (a flush, calls no step() will
+        #: claim): a tap that last wrote its cells at an earlier count is at its first call since
+        #: they were zeroed, and writes instead of adding (eager only; compiled code never reads it).
         self.step = 0
         #: Some tap failed since the last step (its ``failure`` says how); reported at step(), not in the hook.
         self.failed = False

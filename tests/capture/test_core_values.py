@@ -342,6 +342,31 @@ def test_tiny_output_gradients_are_alive_and_have_their_norm(dead_eps):
     assert w.dead_fraction.tolist() == [pytest.approx(0.25), 0.0]  # lin: only unit 3; conv: none
 
 
+def test_a_step_whose_cells_were_zeroed_mid_step_is_recorded_from_the_calls_after():
+    # A flush between a forward and the step() that claims it zeroes the cells (that forward is
+    # lost, as documented); the calls after it are the step's first again: each layer writes its
+    # sums, statistics and order afresh instead of adding to what it believes it wrote.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    monitor = GradMonitor(model, flush_every=5, detail="full")
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    monitor.step()
+    model.zero_grad()
+    model(x * 1000.0)  # never claimed: the flush closes the window and zeroes the cells
+    monitor.flush()
+    out = model(x)
+    hidden = model[0](x)
+    out.sum().backward()
+    monitor.step()
+    monitor.flush()
+    w = monitor.last_window
+    monitor.close()
+    assert [w.layers[i] for i in w.step_orders[0][0]] == ["0", "2"]
+    expected = [float(t.detach().double().square().mean().sqrt()) for t in (hidden, out)]
+    assert w.output_stats["act_rms"][0].tolist() == [pytest.approx(e, rel=1e-6) for e in expected]
+
+
 def test_chunked_nonfinite_count_matches_isfinite():
     """The accelerator path counts in bounded chunks; checked here on CPU tensors."""
     from gradwatch.capture.param_stats import nonfinite_counts as _nonfinite_counts
