@@ -82,3 +82,46 @@ def test_float32_cells_keep_the_exact_order_eager(monkeypatch):
     monitor_dtype_check.close()
     for order in _orders(model, steps=2, detail="standard"):
         assert order == CALL_ORDER
+
+
+def test_eager_and_compiled_layers_counts_add_up_at_the_default_detail():
+    # Eager layers count calls, samples and elements on the host, compiled ones in device cells;
+    # both reach the step's row. out_grad_norm (which needs the calls), act_rms (the elements) and
+    # the dead-unit rows (the samples) against an unmonitored eager twin's retained outputs, on
+    # the sampled steps of the second window (slots 0 and 1), "shared" called twice a step.
+    import copy
+    import math
+
+    from ..reference import RetainedOutputs
+
+    torch.manual_seed(0)
+    model = Mixed()
+    twin = copy.deepcopy(model)
+    for block in (model.early, model.late):
+        block.compile(backend="aot_eager", fullgraph=True)
+    monitor = GradMonitor(model, flush_every=4, config=HealthConfig(stop_on=frozenset()))
+    retained = RetainedOutputs(twin, CALL_ORDER)
+    g = torch.Generator().manual_seed(0)
+    expected = []
+    for _ in range(6):
+        x = torch.randn(5, 4, generator=g)
+        retained.clear()
+        for net in (model, twin):
+            net(x).square().mean().backward()
+        expected.append({name: (retained.norm(name), math.sqrt(
+            sum(float(t.detach().double().square().sum()) for t in retained.outputs[name])
+            / sum(t.numel() for t in retained.outputs[name]))) for name in CALL_ORDER})  # fmt: skip
+        monitor.step()
+        model.zero_grad()
+        twin.zero_grad()
+    monitor.close()  # flushes steps 4 and 5
+    w = monitor.last_window
+    assert w.steps == [4, 5] and w.sampled.all()
+    for t in range(2):
+        for name in CALL_ORDER:
+            i = w.layers.index(name)
+            out_norm, rms = expected[4 + t][name]
+            assert w.out_grad_norm[t, i] == pytest.approx(out_norm, rel=1e-5), (t, name)
+            assert w.output_stats["act_rms"][t, i] == pytest.approx(rms, rel=1e-5), (t, name)
+    assert w.rows_seen[w.layers.index("shared")] == 2 * 2 * 5  # two calls a step, two steps, 5 rows
+    assert w.rows_seen[w.layers.index("early.fc")] == 2 * 5
