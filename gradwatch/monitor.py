@@ -11,8 +11,7 @@ from torch import nn
 
 from . import _compat
 from .alerts import Alert, GradientHealthError
-from .capture.attach import build_recorder, build_updates
-from .capture.updates import NOT_ON_FLAT_PARAMETERS, steps_flat_parameters
+from .capture.attach import build_recorder, replacement_updates
 from .capture.layers import discover_layers
 from .config import HealthConfig
 from .distributed.collectives import Collectives
@@ -160,14 +159,7 @@ class GradMonitor:
                 monitored parameters, or it steps FSDP1's flat parameters (``use_orig_params=False``).
                 TypeError: not an optimizer.
         """
-        if steps_flat_parameters(self._recorder.param_stats.params):
-            raise ValueError(NOT_ON_FLAT_PARAMETERS)
-        if self._recorder.updates is None or not self._recorder.layout.track_updates:
-            raise ValueError(
-                "this monitor was created without optimizer=, so it keeps no update_ratio states: close() it "
-                "and create GradMonitor(model, optimizer=...) to measure update_ratio"
-            )
-        new = build_updates(self, self._recorder, optimizer, self.flush_every)  # raises before anything changes
+        new = replacement_updates(self, self._recorder, optimizer, self.flush_every)  # raises before anything changes
         self._recorder.replace_updates(new)
         self._stages.pipeline.optimizer = optimizer
         self._stages.watch.optimizer_steps_seen = 0

@@ -38,6 +38,24 @@ def build_recorder(monitor: Any, layers: list[LayerSpec], flush_every: int, devi
     return recorder
 
 
+def replacement_updates(monitor: Any, recorder: Recorder, optimizer: Any, flush_every: int) -> UpdateRatio:
+    """The update-ratio hooks of another optimizer for an attached monitor (``GradMonitor.set_optimizer``).
+
+    Raises:
+        ValueError: the recorder keeps no update states (the monitor was created without
+            ``optimizer=``, or on FSDP1's flat parameters), or the optimizer holds none of its parameters.
+        TypeError: not an optimizer.
+    """
+    if steps_flat_parameters(recorder.param_stats.params):
+        raise ValueError(NOT_ON_FLAT_PARAMETERS)
+    if recorder.updates is None or not recorder.layout.track_updates:
+        raise ValueError(
+            "this monitor was created without optimizer=, so it keeps no update_ratio states: close() it "
+            "and create GradMonitor(model, optimizer=...) to measure update_ratio"
+        )
+    return build_updates(monitor, recorder, optimizer, flush_every)
+
+
 def build_updates(monitor: Any, recorder: Recorder, optimizer: Any, flush_every: int) -> UpdateRatio:
     """The update-ratio hooks of ``optimizer``, writing into ``recorder`` (declared with updates)."""
     monitor_ref = weakref.ref(monitor)

@@ -66,7 +66,8 @@ class GradStatistics:
         return g.new_zeros(1, dtype=self.dtype), g.new_zeros(self.units if self.judged(g) else 0, dtype=self.dtype)
 
     def of(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, float]:
-        """(sum of squares, per-unit evidence or None, the samples behind it) of one output gradient.
+        """(sum of squares, per-unit evidence or None, the samples behind it) of one output gradient:
+        the form compiled code takes (:meth:`deltas`; eager taps write the same into their cells, :meth:`record`).
 
         The sum of squares is exact at any magnitude: norms of rows accumulated in float64 (on the
         CPU a float64 reduction over rows costs a third of one over the whole tensor), then their
@@ -82,8 +83,7 @@ class GradStatistics:
             # Per channel over samples and positions. The samples are the N examples, not
             # N x positions: neighbouring positions of one image are not independent evidence.
             return rows.square().sum(), torch.linalg.vector_norm(rows, 2, dim=0), float(g.shape[0])
-        # (*, U): every leading index is a row (a sample, or a token of one).
-        rows = g if ndim == 2 else g.reshape(-1, g.shape[-1]) if ndim > 2 else g.reshape(1, -1)
+        rows = _as_rows(g)
         row_norms = torch.linalg.vector_norm(rows, 2, dim=1, dtype=acc)
         sq = torch.dot(row_norms, row_norms)
         if not judged:
@@ -100,7 +100,6 @@ class GradStatistics:
         if weights.dtype != rows.dtype:
             weights = weights.to(rows.dtype)
         return sq, torch.mv(rows.t(), weights), float(n)
-
 
     def record(self, g: torch.Tensor, sq: torch.Tensor, units: torch.Tensor, first: bool) -> float:
         """Eager: fold one output gradient's statistics (those of :meth:`of`) into the layer's cells.
@@ -127,7 +126,7 @@ class GradStatistics:
             evidence = torch.linalg.vector_norm(rows, 2, dim=0, keepdim=True)
             units.addcmul_(evidence, evidence)
             return float(g.shape[0])
-        rows = g if ndim == 2 else g.reshape(-1, g.shape[-1]) if ndim > 2 else g.reshape(1, -1)
+        rows = _as_rows(g)
         row_norms = torch.linalg.vector_norm(rows, 2, dim=1, dtype=self.dtype)
         _write(torch.dot, (row_norms, row_norms), sq, first)
         if not self.judged(g):
@@ -156,6 +155,11 @@ class GradStatistics:
             self._weight_rows.clear()
         self._weight_rows[key] = row
         return row
+
+
+def _as_rows(g: torch.Tensor) -> torch.Tensor:
+    """A (*, U) output gradient as (rows, U): every leading index is a row (a sample, or a token of one)."""
+    return g if g.ndim == 2 else g.reshape(-1, g.shape[-1]) if g.ndim > 2 else g.reshape(1, -1)
 
 
 def _sum_all(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -75,9 +75,8 @@ class GradTap:
         self.grad_at = step
         samples = self.grad_stats.record(g, self.step_sq, self.unit_row, first)
         host, i = self.host, self.index
-        host.calls[i] += 1.0
-        host.samples[i] += samples
-        host.touched = True
+        host.add(host.calls, i, 1.0)
+        host.add(host.samples, i, samples)
 
     def _record_every_step(self, g: torch.Tensor) -> None:
         """``_record`` inside compiled code with ``detail="full"``: every step is sampled, the

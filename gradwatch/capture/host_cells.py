@@ -57,8 +57,9 @@ class HostCells:
 
     ``order``: the host part of each layer's forward order (see the module docstring; 0: none);
     ``calls``: output gradients seen; ``samples``: the samples behind their dead-unit evidence;
-    ``elements``: output elements seen by the output statistics. Written by the taps with numpy
-    item assignments (no device op), moved into the row and cleared at ``step()``.
+    ``elements``: output elements seen by the output statistics. Written by the taps through
+    :meth:`add` and :meth:`next_order` (numpy item assignments, no device op), moved into the row
+    and cleared at ``step()``.
     """
 
     def __init__(self, n_layers: int, tick: float) -> None:
@@ -68,6 +69,11 @@ class HostCells:
         self._sequence = 0  # eager first calls so far in this step
         #: some tap wrote here since the last clear (a model of compiled taps only never does)
         self.touched = False
+
+    def add(self, counts: np.ndarray, index: int, value: float) -> None:
+        """Add ``value`` to layer ``index`` of ``counts`` (one of this object's rows)."""
+        counts[index] += value
+        self.touched = True
 
     def next_order(self) -> float:
         """The host part of the order of the step's next eager first call: ``tick - 1``, then one

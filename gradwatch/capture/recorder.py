@@ -229,10 +229,7 @@ class Recorder:
     def reset_window(self) -> None:
         """Start an empty window (after a flush)."""
         self.buffer.zero_()
-        for cells in self.cells.devices:
-            cells.reset_window()
-        self.cells.host.clear()
-        self.plan.step += 1  # as in discard_pending
+        self.discard_pending()
         self.update_steps = []
         self.slot = 0
         self.layout.start_window()

@@ -166,7 +166,8 @@ class DeviceCells:
     @classmethod
     def declare(cls, device: torch.device, members: list[int], units: int) -> "DeviceCells":
         """Zeroed cells on ``device`` for the layers ``members`` (global indices) with ``units`` units in all."""
-        n, dtype, scale = len(members), stat_dtype(device), ClockScale(stat_dtype(device))
+        n, dtype = len(members), stat_dtype(device)
+        scale = ClockScale(dtype)
         generator = torch.Generator().manual_seed(20261129)
         return cls(
             device=device,
@@ -354,8 +355,7 @@ class OutputTap:
         compiled calls count down) and the host's place among the eager calls since the last compiled
         one (``host_cells.py``); one op. Float32 cells: the clock alone, counted down by every call."""
         if not self.host_order:
-            self.first_call.clamp_min_(self.clock)
-            self.clock.sub_(self.clock_tick)
+            self._advance_clock()
             return
         step = self.plan.step
         if self.ordered_at != step:
@@ -364,8 +364,8 @@ class OutputTap:
             self.host.order[self.index] = self.host.next_order()
 
     def _advance_clock(self) -> None:
-        """Forward order inside compiled code (``detail="full"``): the clock counts down, so a layer's
-        first call keeps the largest value."""
+        """Forward order on the device alone (compiled code with ``detail="full"``, float32 cells): the
+        clock counts down, so a layer's first call keeps the largest value."""
         self.first_call.clamp_min_(self.clock)
         self.clock.sub_(self.clock_tick)
 
@@ -428,8 +428,7 @@ class OutputTap:
             registry.accumulate_all(local, stats.dtype, self.exact_outputs, into=stats)
         else:
             stats.add_(registry.accumulate_all(local, stats.dtype, self.exact_outputs))
-        self.host.elements[self.index] += local.numel()
-        self.host.touched = True
+        self.host.add(self.host.elements, self.index, local.numel())
 
     def _record_output_traced(self, out: torch.Tensor) -> None:
         """``record_output`` inside compiled code: every step's graph is the sampled one, and what
