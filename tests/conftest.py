@@ -15,6 +15,27 @@ from torch import nn
 os.environ.setdefault("GRADWATCH_STRICT", "1")
 
 
+# The suite runs in pytest-xdist workers (pyproject.toml's addopts: ``-n auto``; ``-n 0`` runs it in
+# one process, for a debugger). On the 2-core machine it is written for, about half of its wall
+# time is spent waiting on other processes (gloo ranks, torchrun, TensorBoard servers, a browser),
+# so a second worker takes about a third off. Each worker gets its share of the cores for torch's
+# intra-op threads, so the workers do not fight over them.
+_MAX_WORKERS = 4
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown with -p no:xdist
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core, at most ``_MAX_WORKERS`` (each imports torch, Lightning
+    and transformers: ~1.5 GB of memory each)."""
+    return max(1, min(_MAX_WORKERS, os.cpu_count() or 1))
+
+
+def pytest_configure(config):
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
+
 @pytest.fixture
 def lenient(monkeypatch):
     """For tests that inject an error gradwatch must survive as a user's run would: strict mode off."""
@@ -104,3 +125,4 @@ def gloo(tmp_path):
         return spawn("tests.gloo_worker", world, str(tmp_path / "out"), *args, timeout=timeout, scenario=scenario)
 
     return run
+

@@ -21,6 +21,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def built_once_per_run(tmp_path_factory: Any, name: str, build: Callable[[Any], None]) -> Any:
+    """A folder that ``build(folder)`` fills once per test run, shared by the run's xdist workers:
+    the first worker to ask builds it under a file lock, the others wait for it and reuse it (a
+    module-scoped fixture would otherwise run once in each worker that runs one of its tests).
+    Without xdist, a folder of the session's own. A build that raises leaves nothing behind, so the
+    next worker that asks builds it again and fails the same way."""
+    import shutil
+
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # every worker's basetemp is a folder of the run's
+    folder = root / name
+    with FileLock(str(folder) + ".lock"):
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            try:
+                build(folder)
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            (folder / ".built").touch()
+    return folder
+
+
 #: Modules imported once by the fork server the gloo processes are forked from: importing torch
 #: took 3-5 s per process on the 2-core CI machine, for every rank of every distributed test.
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp", "gradwatch",

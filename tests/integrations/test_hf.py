@@ -268,20 +268,23 @@ def test_import_gradwatch_imports_neither_transformers_nor_lightning():
 @pytest.fixture(scope="module")
 def torchrun_trainers(tmp_path_factory):
     """One torchrun (2 CPU processes, gloo) of ``hf_worker.py`` for the distributed Trainer tests:
-    DDP, then DeepSpeed ZeRO 2 and 3 where deepspeed is installed (one launch: ~10 s less each)."""
+    DDP, then DeepSpeed ZeRO 2 and 3 where deepspeed is installed (one launch: ~10 s less each),
+    once per test run (shared by the xdist workers)."""
     import importlib.util
     import subprocess
     import sys
 
-    from ..dist_helpers import ROOT, free_port
+    from ..dist_helpers import ROOT, built_once_per_run, free_port
 
-    runs = ["ddp"] + (["2", "3"] if importlib.util.find_spec("deepspeed") is not None else [])
-    out = tmp_path_factory.mktemp("torchrun")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           os.path.join(ROOT, "tests", "integrations", "hf_worker.py"), str(out), ",".join(runs)]  # fmt: skip
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    return out, result.stderr
+    def launch(out):
+        runs = ["ddp"] + (["2", "3"] if importlib.util.find_spec("deepspeed") is not None else [])
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), os.path.join(ROOT, "tests", "integrations", "hf_worker.py"), str(out), ",".join(runs)]  # fmt: skip
+        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+        (out / "stderr.txt").write_text(result.stderr)
+
+    return built_once_per_run(tmp_path_factory, "hf_torchrun", launch)
 
 
 def _ranks(out) -> list[dict]:
@@ -292,7 +295,7 @@ def _ranks(out) -> list[dict]:
 
 @pytest.mark.slow
 def test_torchrun_two_cpu_processes_rank_zero_writes(torchrun_trainers):
-    out = torchrun_trainers[0] / "ddp"
+    out = torchrun_trainers / "ddp"
     ranks = _ranks(out)
     assert all(r["world"] == 2 and r["hooks_left"] == 0 for r in ranks)
     files = glob.glob(str(out / "**" / "events.out.tfevents.*"), recursive=True)
@@ -311,8 +314,8 @@ def test_deepspeed_zero_through_the_trainer_records_the_gradient_it_clips(torchr
     # reduced gradient exists only between them, where the callback records (it wraps engine.step).
     # ZeRO 2 keeps whole parameters, ZeRO 3 partitions them too.
     pytest.importorskip("deepspeed")
-    root, stderr = torchrun_trainers
-    assert "no parameter had a .grad" not in stderr
+    root = torchrun_trainers
+    assert "no parameter had a .grad" not in (root / "stderr.txt").read_text()
     ranks = _ranks(root / stage)
     assert all(r["world"] == 2 and r["hooks_left"] == 0 and r["zero3"] == (stage == "3") for r in ranks)
     scalars = read_scalars(str(root / stage / "gradwatch"))
