@@ -2,7 +2,7 @@
 
     python benchmarks/overhead.py                      # every section (about half an hour on 2 CPU cores)
     python benchmarks/overhead.py --quick              # fewer rounds, for a smoke test
-    python benchmarks/overhead.py --only compiled,depth  # some sections: standard, real, compiled, depth, flush
+    python benchmarks/overhead.py --only compiled,depth  # some sections: standard, real, compiled, depth, flush, steady
 
 Every figure is a ratio to an unmonitored copy of the same model measured in the
 same process, contenders interleaved step by step with the order rotated every
@@ -86,6 +86,32 @@ def compiled_section(rounds: int, warmup: int, device: torch.device, sync=None) 
     return figures
 
 
+#: The contenders of the steady-state section: gradwatch's default against its read floor, the usual
+#: alternative, and the noise floor.
+STEADY_CONTENDERS = [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(50), C.DefaultStepFloor,
+                     C.LightningGradNorm]  # fmt: skip
+
+
+def steady_section(windows: int, device: torch.device, flush_every: int = 50) -> dict:
+    """What the default costs over whole windows in steady state: every step of ``windows`` windows
+    after the first one (whose flush draws the heatmap's layout once), timed interleaved; the mean
+    ratio then holds each window's sampled steps and its flush in their real proportion, which the
+    paired median (a typical, unsampled step) does not see."""
+    print(f"\n# steady state: {windows} whole windows of {flush_every} steps after the first; mean ratios")
+    figures = {}
+    for workload in W.standard():
+        results = measure(workload, STEADY_CONTENDERS, windows * flush_every, flush_every, device)
+        base = results[0]
+        print(f"## {workload.name}  (mean unmonitored step {base.mean * 1e3:.2f} ms)")
+        figures[workload.name] = {}
+        for r in results[1:]:
+            paired = paired_ratio(r, base)
+            figures[workload.name][r.name] = {"mean_ratio": r.mean / base.mean, "paired_median": paired[0]}
+            print(f"{r.name:36s} mean ratio {r.mean / base.mean:6.3f}   paired median {paired[0]:6.3f} "
+                  f"[{paired[1]:.3f}, {paired[2]:.3f}]", flush=True)  # fmt: skip
+    return figures
+
+
 def depth_section(rounds: int, warmup: int, device: torch.device, depths: tuple[int, ...], sync=None) -> dict:
     """Cost per monitored layer against depth (Linear + LayerNorm + ReLU blocks, width 256,
     batch 256, Adam), beside the floors: an empty hook, the output sum, the default's reads."""
@@ -116,9 +142,10 @@ def main() -> None:
     parser.add_argument("--skip-scaling", action="store_true", help="skip the depth and flush_every sweeps")
     parser.add_argument("--skip-real", action="store_true", help="skip the real-model tables (ResNet-18, GPT-2, ViT)")
     parser.add_argument("--skip-ops", action="store_true", help="skip the op counts (slow: every op through Python)")
-    parser.add_argument("--only", help="comma-separated sections: standard, real, compiled, depth, flush")
+    parser.add_argument("--only", help="comma-separated sections: standard, real, compiled, depth, flush, steady")
+    parser.add_argument("--windows", type=int, default=4, help="steady section: whole windows timed (default 4)")
     args = parser.parse_args()
-    sections = set(args.only.split(",")) if args.only else {"standard", "real", "compiled", "depth", "flush"}
+    sections = set(args.only.split(",")) if args.only else {"standard", "real", "compiled", "depth", "flush", "steady"}
     if args.skip_real:
         sections.discard("real")
     if args.skip_scaling:
@@ -151,6 +178,9 @@ def main() -> None:
 
     if "compiled" in sections:
         report["compiled"] = compiled_section(max(rounds // 2, 10), warmup, device)
+
+    if "steady" in sections:
+        report["steady"] = steady_section(1 if args.quick else args.windows, device)
 
     if "depth" in sections:
         depths = (16, 64) if args.quick else (16, 64, 256)
