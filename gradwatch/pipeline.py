@@ -164,7 +164,8 @@ class StepPipeline:
         return True
 
     def _histogram_grads(self) -> list[tuple[str, list]]:
-        named = [(layer.name, [p.grad for p in layer.params if p.grad is not None]) for layer in self.layers]
+        # this rank's gradients, also where they are not p.grad (DeepSpeed ZeRO, FSDP1's flat ones)
+        named = [(layer.name, layer.rank_gradients()) for layer in self.layers]
         return [(name, grads) for name, grads in named if grads]
 
     def _stop_on(self, new: list[Alert]) -> None:

@@ -68,6 +68,12 @@ class LayerSpec:
         if not self.whole_on_rank:
             self.whole_on_rank = [False] * len(self.params)
 
+    def rank_gradients(self) -> list[torch.Tensor]:
+        """This rank's gradients of the layer's parameters that have one: ``p.grad``, or its piece
+        where it is kept elsewhere (``grad_readers``: ZeRO's buffers, FSDP1's flat gradient)."""
+        grads = (rank_gradient(p, reader) for p, reader in zip(self.params, self.grad_readers))
+        return [g for g in grads if g is not None]
+
     def unit_dim(self, ndim: int) -> int:
         """Index of the unit dimension in an output with ``ndim`` dims."""
         if ndim == 0:
@@ -75,6 +81,12 @@ class LayerSpec:
         if self.channel_first and ndim >= 2:
             return 1
         return ndim - 1
+
+
+def rank_gradient(p: torch.Tensor, reader: Callable[[torch.Tensor], torch.Tensor | None] | None) -> torch.Tensor | None:
+    """A parameter's gradient as this rank holds it: ``p.grad``, or what ``reader`` (its
+    ``LayerSpec.grad_readers`` entry) reads where the gradient is kept elsewhere."""
+    return p.grad if reader is None else reader(p)
 
 
 def _as_patterns(value: str | Sequence[str] | None, arg: str) -> list[str] | None:

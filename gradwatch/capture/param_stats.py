@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .devices import host_to_device
-from .layers import LayerSpec
+from .layers import LayerSpec, rank_gradient
 from .reductions import (  # noqa: F401  (StepRows, nonfinite_counts: their import path before the split)
     CpuBlasStats, ForeachStats, StepRows, TinyStats, _CpuSlots, complex_stats, nonfinite_counts,
 )
@@ -244,8 +244,7 @@ class ParamStats:
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
         """A parameter's gradient as this rank holds it: ``p.grad``, or its piece where it is kept
         elsewhere (ZeRO's buffers, FSDP1's flat gradient)."""
-        reader = self._readers.get(id(p))
-        return p.grad if reader is None else reader(p)
+        return rank_gradient(p, self._readers.get(id(p)))
 
     def _reduced_partials(self) -> dict[int, torch.Tensor]:
         """id(gradient) -> its reduced private copy, for the Partial gradients (read-only: ``p.grad``

@@ -130,12 +130,58 @@ def _run(rank: int, world: int, config: str) -> dict:
     whole = model.state_dict()  # FSDP's full state dict: the user's names, every parameter whole
     in_sync = all(torch.equal(whole[n].detach(), q.detach()) for n, q in twin.named_parameters())
     local_shapes = [tuple(p.shape) for p in model.parameters()]
+    alive_units = {n: alive[n].tolist() for n in LAYERS}  # before the histogram step, which the hooks above see too
+    histograms = _histograms(model, twin, rank, world) if "flat" in config and "bf16" not in config else None
     dist.barrier()
-    return {"config": config, "layers": w.layers, "got": got, "expected": steps, "dead": dead,
-            "alive": {n: alive[n].tolist() for n in LAYERS}, "local_shapes": local_shapes,
+    return {"config": config, "layers": w.layers, "got": got, "expected": steps, "dead": dead, "histograms": histograms,
+            "alive": alive_units, "local_shapes": local_shapes,
             "twin_in_sync": in_sync, "alerts": [a.kind for a in monitor.alerts],
             "calls_before_flush": calls_before_flush, "calls": dict(monitor._collectives.calls),
             "warnings": said.messages}  # fmt: skip
+
+
+def _histograms(model, twin: nn.Module, rank: int, world: int) -> dict | None:
+    """``histograms=True`` under ``use_orig_params=False`` (one step, flush_every=1): rank 0's
+    histogram of each layer against the twin's gradient elements that lie in rank 0's shard (where
+    FSDP's ``_shard_param_infos`` says they are): {layer: ((count, min, max) written, expected)}."""
+    import tempfile
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from gradwatch import GradMonitor
+
+    logdir = tempfile.mkdtemp() if rank == 0 else None
+    monitor = GradMonitor(model, flush_every=1, histograms=True, logdir=logdir)
+    model(_batch(rank, 9)).square().mean().backward()
+    (sum(twin(_batch(r, 9)).square().mean() for r in range(world)) / world).backward()
+    monitor.step()  # the flush: histograms of this rank's slices of the flat gradients
+    monitor.close()
+    names = {id(m): n.replace("_fsdp_wrapped_module.", "").replace("._fsdp_wrapped_module", "")
+             for n, m in model.module.named_modules()}  # fmt: skip
+    held: dict[str, list[torch.Tensor]] = {n: [] for n in LAYERS}
+    for unit in FSDP.fsdp_modules(model):
+        if unit._handle is None:  # a wrapper whose own module holds no parameter (the nested root)
+            continue
+        flat = unit._handle.flat_param
+        for info, where in zip(flat._param_infos, flat._shard_param_infos):
+            if where.in_shard:
+                grad = twin.get_submodule(names[id(info.module)]).get_parameter(info.param_name).grad.reshape(-1)
+                held[names[id(info.module)]].append(grad[where.intra_param_start_idx : where.intra_param_end_idx + 1])
+    twin.zero_grad()
+    model.zero_grad()
+    if logdir is None:
+        return None
+    events = EventAccumulator(logdir, size_guidance={"histograms": 0})
+    events.Reload()
+    result = {}
+    for name in LAYERS:
+        tag = f"gradwatch/hist/{name}"
+        h = events.Histograms(tag)[-1].histogram_value if tag in events.Tags()["histograms"] else None
+        mine = torch.cat(held[name]).double() if held[name] else None
+        result[name] = (None if h is None else (h.num, h.min, h.max),
+                        None if mine is None else (mine.numel(), float(mine.min()), float(mine.max())))
+    return result
 
 
 class _Said(logging.Handler):

@@ -80,6 +80,18 @@ def test_fsdp1_without_original_parameters_reads_each_parameter_in_the_flat_grad
                    for m in run["warnings"]), run["warnings"]  # fmt: skip
         handed_over = [m for m in run["warnings"] if m.startswith("set_optimizer: ")]
         assert handed_over == ["set_optimizer: " + NOT_ON_FLAT_PARAMETERS], handed_over
+    for run in results[0]["runs"]:  # histograms=True: rank 0's slices of the flat gradients
+        if run["histograms"] is None:
+            continue  # bf16: the float32 twin is no reference for the values
+        drawn = 0
+        for name, (written, expected) in run["histograms"].items():
+            # a layer none of whose elements lie in rank 0's shard has no histogram there
+            assert (written is None) == (expected is None), (run["config"], name, written, expected)
+            if written is not None:
+                drawn += 1
+                assert written[0] == expected[0], (run["config"], name)
+                assert written[1:] == pytest.approx(expected[1:], rel=1e-5), (run["config"], name)
+        assert drawn >= 2, run["config"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -89,7 +101,7 @@ def test_deepspeed_zero_1_2_and_3_give_the_whole_gradient(gloo, world):
     # gradient (no collective until the flush). On 4 ranks ZeRO 3 splits every tensor four ways and
     # pads the 15- and 3-element ones (the 2-rank run pads only the odd ones).
     pytest.importorskip("deepspeed")
-    for result in gloo("tests.distributed.deepspeed_worker:body", world):
+    for rank, result in enumerate(gloo("tests.distributed.deepspeed_worker:body", world)):
         for stage in ("1", "2", "3"):
             run = result[stage]
             assert run["layers"] == ["0", "2", "scale", "4"] and run["alerts"] == []
@@ -102,6 +114,15 @@ def test_deepspeed_zero_1_2_and_3_give_the_whole_gradient(gloo, world):
                 for name, values in record["got"].items():
                     for stat, value in values.items():
                         assert value == pytest.approx(record["expected"][name][stat], rel=1e-6), (stage, name, stat)
+            if rank == 0:  # histograms=True: rank 0's own fragments (p.grad is None)
+                # ZeRO 1/2 partition one flat buffer: rank 0's half may hold a single layer
+                drawn = [name for name, (written, _) in run["histograms"].items() if written is not None]
+                assert drawn, (stage, run["histograms"])
+                for name, (written, expected) in run["histograms"].items():
+                    assert (written is None) == (expected is None), (stage, name, written, expected)
+                    if written is not None:
+                        assert written[0] == expected[0], (stage, name)
+                        assert written[1:] == pytest.approx(expected[1:], rel=1e-6), (stage, name)
         message = result["before_initialize"]  # ZeRO 3's partitioned parameters, no optimizer yet
         assert message is not None and message.startswith("UnsupportedSharding"), message
         assert "ZeRO stage 3" in message and "deepspeed.initialize" in message
