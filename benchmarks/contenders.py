@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from typing import Any, Callable
 
 import torch
@@ -76,6 +77,28 @@ def gradwatch_contender(flush_every: int, with_optimizer: bool = False, detail: 
                 detail=detail,
             )
             self.buffer_bytes = self.monitor.buffer_bytes
+            self._own_time, self._step_start = 0.0, None
+
+        def step(self):
+            # The heatmap image is drawn when it costs at most 1% of the wall time since the last
+            # one; interleaved with other contenders that time would hold their steps too, so its
+            # budget's clock here counts this contender's own steps only, as a run alone would.
+            self._step_start = time.perf_counter()
+            try:
+                super().step()
+            finally:
+                self._own_time += time.perf_counter() - self._step_start
+                self._step_start = None
+            board = self.monitor._stages.pipeline.outputs.tensorboard if self.monitor._stages.pipeline.outputs else None
+            if board is not None and board.clock != self._own_clock:
+                board.clock = self._own_clock
+                board._last_heatmap = self._own_clock()
+
+        def _own_clock(self) -> float:
+            """Seconds spent in this contender's steps, the current one included (the drawing's
+            cost is measured on this clock too)."""
+            running = 0.0 if self._step_start is None else time.perf_counter() - self._step_start
+            return self._own_time + running
 
         def after_backward(self):
             self.monitor.step()

@@ -94,13 +94,15 @@ STEADY_CONTENDERS = [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(
 
 def steady_section(windows: int, device: torch.device, flush_every: int = 50) -> dict:
     """What the default costs over whole windows in steady state: every step of ``windows`` windows
-    after the first one (whose flush draws the heatmap's layout once), timed interleaved; the mean
-    ratio then holds each window's sampled steps and its flush in their real proportion, which the
-    paired median (a typical, unsampled step) does not see."""
-    print(f"\n# steady state: {windows} whole windows of {flush_every} steps after the first; mean ratios")
+    after the first two, timed interleaved (the first flush imports matplotlib and lays the heatmap
+    out, ~0.5 s; the second draws it again, since the first drawing is no measure of the next
+    one's cost; after that the image is drawn within its 1% budget). The mean ratio then holds each
+    window's sampled steps and its flush in their real proportion, which the paired median (a
+    typical, unsampled step) does not see."""
+    print(f"\n# steady state: {windows} whole windows of {flush_every} steps after the first two; mean ratios")
     figures = {}
     for workload in W.standard():
-        results = measure(workload, STEADY_CONTENDERS, windows * flush_every, flush_every, device)
+        results = measure(workload, STEADY_CONTENDERS, windows * flush_every, 2 * flush_every, device)
         base = results[0]
         print(f"## {workload.name}  (mean unmonitored step {base.mean * 1e3:.2f} ms)")
         figures[workload.name] = {}
@@ -109,7 +111,32 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50) ->
             figures[workload.name][r.name] = {"mean_ratio": r.mean / base.mean, "paired_median": paired[0]}
             print(f"{r.name:36s} mean ratio {r.mean / base.mean:6.3f}   paired median {paired[0]:6.3f} "
                   f"[{paired[1]:.3f}, {paired[2]:.3f}]", flush=True)  # fmt: skip
+        parts = window_parts(results[0], results[1], results[2], flush_every)
+        figures[workload.name]["gradwatch parts"] = parts
+        print("  where the default's mean goes, points of the unmonitored time (A/A in brackets): "
+              + ", ".join(f"{k} {v[0]:+.2f} [{v[1]:+.2f}]" for k, v in parts.items()))  # fmt: skip
     return figures
+
+
+def window_parts(base, control, watched, flush_every: int) -> dict[str, tuple[float, float]]:
+    """The default's time above the unmonitored step, by the kind of step of the window it was
+    spent on (rounds start at a window's first step): its sampled steps (``settings.DETAILS``:
+    slots 0, 1 and every 25th), its flush (the last slot; the heatmap image is drawn there when
+    its budget allows, and in an interleaved run the budget's clock also sees the other
+    contenders' steps), and the rest; in points of the unmonitored total, with the A/A
+    control's for the noise."""
+    import numpy as np
+
+    from gradwatch.settings import DETAILS
+
+    b, c, w = (np.asarray(r.times) for r in (base, control, watched))
+    slots = np.arange(len(b)) % flush_every
+    sampled = ((slots % DETAILS["standard"]) == 0) | (slots == 1)
+    flush = slots == flush_every - 1
+    kinds = {"sampled steps": sampled & ~flush, "flush": flush, "other steps": ~sampled & ~flush}
+    total = b.sum()
+    return {k: (float((w[m] - b[m]).sum() / total * 100), float((c[m] - b[m]).sum() / total * 100))
+            for k, m in kinds.items()}  # fmt: skip
 
 
 def depth_section(rounds: int, warmup: int, device: torch.device, depths: tuple[int, ...], sync=None) -> dict:
