@@ -40,3 +40,21 @@ class RetainedOutputs:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def histograms_against(logdir: str, held: dict[str, list[torch.Tensor]]) -> dict[str, tuple]:
+    """For each layer of ``held`` (the gradient elements a test read itself): ((count, min, max) of
+    the last ``gradwatch/hist/<layer>`` histogram under ``logdir``, (the same) of its elements), None
+    for a histogram that was not written or a layer with no element."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(logdir, size_guidance={"histograms": 0})
+    events.Reload()
+    result = {}
+    for name, pieces in held.items():
+        tag = f"gradwatch/hist/{name}"
+        h = events.Histograms(tag)[-1].histogram_value if tag in events.Tags()["histograms"] else None
+        mine = torch.cat([p.reshape(-1).double() for p in pieces]) if pieces else None
+        result[name] = (None if h is None else (h.num, h.min, h.max),
+                        None if mine is None else (mine.numel(), float(mine.min()), float(mine.max())))  # fmt: skip
+    return result

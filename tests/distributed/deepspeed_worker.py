@@ -107,33 +107,23 @@ def _histograms(engine, model: nn.Module, rank: int) -> dict | None:
     None for a layer of which the rank holds nothing."""
     import tempfile
 
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     from gradwatch import GradMonitor
     from gradwatch._compat.deepspeed import local_gradient
+
+    from ..reference import histograms_against
 
     logdir = tempfile.mkdtemp() if rank == 0 else None
     monitor = GradMonitor(model, flush_every=1, histograms=True, logdir=logdir)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(7 + rank))
     engine.backward(engine(x).square().mean())
     monitor.step()  # the flush: histograms of what this rank holds now
-    held = {n: [g.reshape(-1).double() for g in map(local_gradient, model.get_submodule(n).parameters())
-                if g is not None and g.numel()] for n in LAYERS}  # fmt: skip
+    # copies (views of ZeRO's buffers, which engine.step reuses); a layer none of whose gradient
+    # lies in this rank's partitions has no histogram here
+    held = {n: [g.clone() for g in map(local_gradient, model.get_submodule(n).parameters()) if g is not None and g.numel()]
+            for n in LAYERS}  # fmt: skip
     engine.step()
     monitor.close()
-    if logdir is None:
-        return None
-    events = EventAccumulator(logdir, size_guidance={"histograms": 0})
-    events.Reload()
-    written = {}
-    for name in LAYERS:
-        tag = f"gradwatch/hist/{name}"
-        h = events.Histograms(tag)[-1].histogram_value if tag in events.Tags()["histograms"] else None
-        written[name] = None if h is None else (h.num, h.min, h.max)
-    # a layer none of whose gradient lies in this rank's partitions has no histogram here
-    expected = {n: (lambda g: (g.numel(), float(g.min()), float(g.max())))(torch.cat(pieces)) if pieces else None
-                for n, pieces in held.items()}  # fmt: skip
-    return {n: (written[n], expected[n]) for n in LAYERS}
+    return None if logdir is None else histograms_against(logdir, held)
 
 
 def _refused_before_initialize(world: int) -> str | None:

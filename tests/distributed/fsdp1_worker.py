@@ -146,10 +146,11 @@ def _histograms(model, twin: nn.Module, rank: int, world: int) -> dict | None:
     FSDP's ``_shard_param_infos`` says they are): {layer: ((count, min, max) written, expected)}."""
     import tempfile
 
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from gradwatch import GradMonitor
+
+    from ..reference import histograms_against
 
     logdir = tempfile.mkdtemp() if rank == 0 else None
     monitor = GradMonitor(model, flush_every=1, histograms=True, logdir=logdir)
@@ -167,21 +168,10 @@ def _histograms(model, twin: nn.Module, rank: int, world: int) -> dict | None:
         for info, where in zip(flat._param_infos, flat._shard_param_infos):
             if where.in_shard:
                 grad = twin.get_submodule(names[id(info.module)]).get_parameter(info.param_name).grad.reshape(-1)
-                held[names[id(info.module)]].append(grad[where.intra_param_start_idx : where.intra_param_end_idx + 1])
+                held[names[id(info.module)]].append(grad[where.intra_param_start_idx : where.intra_param_end_idx + 1].clone())
     twin.zero_grad()
     model.zero_grad()
-    if logdir is None:
-        return None
-    events = EventAccumulator(logdir, size_guidance={"histograms": 0})
-    events.Reload()
-    result = {}
-    for name in LAYERS:
-        tag = f"gradwatch/hist/{name}"
-        h = events.Histograms(tag)[-1].histogram_value if tag in events.Tags()["histograms"] else None
-        mine = torch.cat(held[name]).double() if held[name] else None
-        result[name] = (None if h is None else (h.num, h.min, h.max),
-                        None if mine is None else (mine.numel(), float(mine.min()), float(mine.max())))
-    return result
+    return None if logdir is None else histograms_against(logdir, held)
 
 
 class _Said(logging.Handler):
