@@ -89,20 +89,29 @@ def spawn(module: str, world: int, out_path: str, *args: str, timeout: float = 2
     Fails with every rank's output when a process exits non-zero (a crash, an abort,
     a hang past ``timeout``).
     """
-    port = free_port()
-    argvs = [[*([scenario] if scenario else []), str(rank), str(world), str(port), out_path, *args]
-             for rank in range(world)]  # fmt: skip
-    if module == "tests.gloo_worker":
-        logs = _run_forked(argvs, out_path, timeout)
-    else:
-        logs = _run_interpreters(module, argvs, timeout)
-    codes = [code for code, _ in logs]
+    for attempt in range(2):
+        port = free_port()
+        argvs = [[*([scenario] if scenario else []), str(rank), str(world), str(port), out_path, *args]
+                 for rank in range(world)]  # fmt: skip
+        if module == "tests.gloo_worker":
+            logs = _run_forked(argvs, out_path, timeout)
+        else:
+            logs = _run_interpreters(module, argvs, timeout)
+        codes = [code for code, _ in logs]
+        # The suite's xdist workers start groups side by side: another one may have bound the port
+        # between free_port() and this group's store. Once more on a new port, then fail.
+        if attempt or all(code == 0 for code in codes) or not any(_port_taken(log) for _, log in logs):
+            break
     assert all(code == 0 for code in codes), f"exit codes {codes}\n" + "\n---\n".join(log for _, log in logs)[-6000:]
     results = []
     for rank in range(world):
         with open(f"{out_path}.{rank}") as f:
             results.append(json.load(f))
     return results
+
+
+def _port_taken(log: str) -> bool:
+    return "address already in use" in log.lower() or "eaddrinuse" in log.lower()
 
 
 def _run_forked(argvs: list[list[str]], out_path: str, timeout: float) -> list[tuple[int | None, str]]:
