@@ -120,18 +120,18 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50) ->
 
 def window_parts(base, control, watched, flush_every: int) -> dict[str, tuple[float, float]]:
     """The default's time above the unmonitored step, by the kind of step of the window it was
-    spent on (rounds start at a window's first step): its sampled steps (``settings.DETAILS``:
-    slots 0, 1 and every 25th), its flush (the last slot; the heatmap image is drawn there when
-    its budget allows, and in an interleaved run the budget's clock also sees the other
-    contenders' steps), and the rest; in points of the unmonitored total, with the A/A
+    spent on (rounds start at a window's first step): its sampled steps (the default's plan,
+    ``capture.layout.planned_slots``), its flush (the last slot, where the heatmap image is drawn
+    when its budget allows), and the rest; in points of the unmonitored total, with the A/A
     control's for the noise."""
     import numpy as np
 
+    from gradwatch.capture.layout import planned_slots
     from gradwatch.settings import DETAILS
 
     b, c, w = (np.asarray(r.times) for r in (base, control, watched))
     slots = np.arange(len(b)) % flush_every
-    sampled = ((slots % DETAILS["standard"]) == 0) | (slots == 1)
+    sampled = planned_slots(flush_every, DETAILS["standard"])[slots]
     flush = slots == flush_every - 1
     kinds = {"sampled steps": sampled & ~flush, "flush": flush, "other steps": ~sampled & ~flush}
     total = b.sum()

@@ -125,4 +125,3 @@ def gloo(tmp_path):
         return spawn("tests.gloo_worker", world, str(tmp_path / "out"), *args, timeout=timeout, scenario=scenario)
 
     return run
-

@@ -56,8 +56,7 @@ class Layout:
         # every sample_every-th: every window has output-gradient statistics, and dead units are
         # judged on at least two distinct steps at the window's own flush.
         self.sample_every = max(1, int(sample_every))
-        slots = np.arange(flush_every)
-        self.planned_slots = (slots % self.sample_every == 0) | (slots == 1)
+        self.planned_slots = planned_slots(flush_every, self.sample_every)
         self._full_window = False
         #: [flush_every] the current window's sampled slots: the plan, every slot (``full_window``),
         #: or the plan up to a slot and every slot after it (``sample_from``).
@@ -86,6 +85,13 @@ class Layout:
     def is_sampled(self, slot: int) -> bool:
         """Whether step ``slot`` of a window records every statistic (past the window: the next one's slot 0)."""
         return bool(self._sampled[slot]) if slot < self.flush_every else True
+
+
+def planned_slots(flush_every: int, sample_every: int) -> np.ndarray:
+    """[flush_every] bool: the slots of a window the plan samples (slots 0 and 1, then every
+    ``sample_every``-th), before any confirmation of dead units records more."""
+    slots = np.arange(flush_every)
+    return (slots % max(1, int(sample_every)) == 0) | (slots == 1)
 
 
 def starts(counts: np.ndarray) -> np.ndarray:
