@@ -18,7 +18,7 @@ import numpy as np
 
 from ..alerts import Alert
 from ..flush.window import Window
-from .activations import render_activations
+from .activations import LayerOutputsChart
 from .heatmap import GradientFlowHeatmap
 from ..registry.statistics import all_statistics
 from .scalars import LOG_RMS, PREFIX, window_scalars
@@ -167,6 +167,7 @@ class TensorBoardSink:
         self._heatmap_cost: float | None = None  # seconds the last drawing took; None: draw now
         self._undrawn: Window | None = None  # the newest window not drawn yet
         self._heatmap: GradientFlowHeatmap | None = None
+        self._outputs_chart: LayerOutputsChart | None = None  # the heatmap's companion
         #: the health checks' thresholds, written with the layer list (None: not written)
         self.thresholds: dict[str, Any] | None = None
         #: the layers' module types (name -> class name), written with the layer list
@@ -243,6 +244,8 @@ class TensorBoardSink:
     def _add_heatmap(self, w: Window, alert_steps: list[int] | None = None) -> None:
         if self._heatmap is None:
             self._heatmap = GradientFlowHeatmap()
+        if self._outputs_chart is None:
+            self._outputs_chart = LayerOutputsChart()
         try:
             image = self._heatmap.render(w, alert_steps)
         except ImportError:
@@ -254,7 +257,7 @@ class TensorBoardSink:
             # their own, so that each of them stays on the dashboard of a long run.
             name = HEATMAP_ALERTS_TAG if alert_steps else HEATMAP_TAG
             self.writer.add_image(name, image, w.steps[-1], dataformats="HWC")
-            companion = render_activations(w)  # the layers' output statistics, beside it
+            companion = self._outputs_chart.render(w)  # the layers' output statistics, beside it
             if companion is not None:
                 self.writer.add_image(ACTIVATIONS_TAG, companion, w.steps[-1], dataformats="HWC")
 

@@ -356,6 +356,58 @@ def test_heatmap_redraws_only_pixels_and_matches_a_full_draw():
     assert reused.full_draws == 3
 
 
+def _with_output_stats(w, seed, rms_decades=(-1.0, 1.0)):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    shape = (len(w.steps), len(w.layers))
+    rms = 10.0 ** rng.uniform(*rms_decades, shape)
+    rms[::2, 1] = np.nan  # a layer sampled at half the steps only
+    zeros = rng.uniform(0.0, 1.0, shape)
+    rms[:, 2] = zeros[:, 2] = np.nan  # a layer without a value this window: no bar
+    w.extra_stats = {"act_rms": rms, "act_zero_fraction": zeros}
+    return w
+
+
+def test_layer_outputs_chart_redraws_only_bars_and_matches_a_full_draw():
+    # #30: laid out from scratch the companion image cost 90-190 ms at every heatmap; it is now
+    # laid out once per (layers, statistics, log range) and redrawn over a saved background.
+    pytest.importorskip("matplotlib")
+    import numpy as np
+
+    from gradwatch.sinks.activations import LayerOutputsChart, window_means
+
+    layers = ["embed", "block.0", "block.1", "head"]
+    first = _with_output_stats(_window(layers, 12, 0), 0)
+    second = _with_output_stats(_window(layers, 12, 1), 1)
+    reused = LayerOutputsChart()
+    image_first, image_second = reused.render(first), reused.render(second)
+    assert reused.full_draws == 1
+    assert image_first.shape == image_second.shape and image_first.dtype == np.uint8
+    assert image_first.shape[1] == 360 and not np.array_equal(image_first, image_second)
+    # Each bar is the layer's mean over the steps that have a value (computed here with numpy),
+    # none for the layer without one.
+    for name, _, bars in reused._panels:
+        expected = np.nanmean(second.extra_stats[name][:, [0, 1, 3]], axis=0)
+        widths = np.array([bar.get_width() for bar in bars])
+        np.testing.assert_allclose(widths[[0, 1, 3]], expected, rtol=1e-12)
+        assert widths[2] == 0.0
+
+    reference = LayerOutputsChart()
+    reference.render(first)  # the same log range as `reused`
+    reference._layout(second, ["act_rms", "act_zero_fraction"])  # a whole new figure, then its drawing
+    reference._draw_changing_parts(second, window_means(second))
+    full = np.asarray(reference._figure.canvas.buffer_rgba())[:, :, :3]
+    assert np.array_equal(image_second, full)
+
+    reused.render(_with_output_stats(_window(layers, 12, 2), 2, rms_decades=(-1.0, 4.0)))  # beyond the range
+    assert reused.full_draws == 2
+    reused.render(_with_output_stats(_window(layers, 12, 3), 3))  # back inside: the range only grows
+    assert reused.full_draws == 2
+    reused.render(_with_output_stats(_window(layers + ["out"], 12, 4), 4))  # other layers: a new layout
+    assert reused.full_draws == 3
+
+
 class _FakeClock:
     def __init__(self) -> None:
         self.now = 0.0
