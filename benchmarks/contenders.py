@@ -60,10 +60,14 @@ class UnmonitoredControl(Contender):
     name = "none (A/A)"
 
 
-def gradwatch_contender(flush_every: int, with_optimizer: bool = False, detail: str = "standard") -> type[Contender]:
+def gradwatch_contender(flush_every: int, with_optimizer: bool = False, detail: str = "standard",
+                        heatmap_budget: float | None = None) -> type[Contender]:  # fmt: skip
+    """A gradwatch monitor as a contender; ``heatmap_budget``: the sink's image budget if not its default."""
+
     class GradWatchContender(Contender):
         name = (f"gradwatch flush={flush_every}" + (" full" if detail == "full" else "")
-                + (" +update_ratio" if with_optimizer else ""))  # fmt: skip
+                + (" +update_ratio" if with_optimizer else "")
+                + (f" heatmap budget {heatmap_budget:.2%}" if heatmap_budget is not None else ""))  # fmt: skip
 
         def __init__(self, model, workload, device):
             super().__init__(model, workload, device)
@@ -80,7 +84,7 @@ def gradwatch_contender(flush_every: int, with_optimizer: bool = False, detail: 
             self._own_time, self._step_start = 0.0, None
 
         def step(self):
-            # The heatmap image is drawn when it costs at most 1% of the wall time since the last
+            # The heatmap image is drawn when it costs at most its budget of the wall time since the last
             # one; interleaved with other contenders that time would hold their steps too, so its
             # budget's clock here counts this contender's own steps only, as a run alone would.
             self._step_start = time.perf_counter()
@@ -93,6 +97,8 @@ def gradwatch_contender(flush_every: int, with_optimizer: bool = False, detail: 
             if board is not None and board.clock != self._own_clock:
                 board.clock = self._own_clock
                 board._last_heatmap = self._own_clock()
+                if heatmap_budget is not None:
+                    board.heatmap_budget = heatmap_budget
 
         def _own_clock(self) -> float:
             """Seconds spent in this contender's steps, the current one included (the drawing's

@@ -89,14 +89,14 @@ def compiled_section(rounds: int, warmup: int, device: torch.device, sync=None) 
 #: The contenders of the steady-state section: gradwatch's default against its read floor, the usual
 #: alternative, and the noise floor.
 STEADY_CONTENDERS = [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(50), C.DefaultStepFloor,
-                     C.LightningGradNorm]  # fmt: skip
+                     C.LightningGradNorm, C.gradwatch_contender(50, heatmap_budget=0.01)]  # fmt: skip
 
 
 def steady_section(windows: int, device: torch.device, flush_every: int = 50) -> dict:
     """What the default costs over whole windows in steady state: every step of ``windows`` windows
     after the first two, timed interleaved (the first flush imports matplotlib and lays the heatmap
     out, ~0.5 s; the second draws it again, since the first drawing is no measure of the next
-    one's cost; after that the image is drawn within its 1% budget). The mean ratio then holds each
+    one's cost; after that the image is drawn within its budget). The mean ratio then holds each
     window's sampled steps and its flush in their real proportion, which the paired median (a
     typical, unsampled step) does not see."""
     print(f"\n# steady state: {windows} whole windows of {flush_every} steps after the first two; mean ratios")
@@ -111,10 +111,11 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50) ->
             figures[workload.name][r.name] = {"mean_ratio": r.mean / base.mean, "paired_median": paired[0]}
             print(f"{r.name:36s} mean ratio {r.mean / base.mean:6.3f}   paired median {paired[0]:6.3f} "
                   f"[{paired[1]:.3f}, {paired[2]:.3f}]", flush=True)  # fmt: skip
-        parts = window_parts(results[0], results[1], results[2], flush_every)
-        figures[workload.name]["gradwatch parts"] = parts
-        print("  where the default's mean goes, points of the unmonitored time (A/A in brackets): "
-              + ", ".join(f"{k} {v[0]:+.2f} [{v[1]:+.2f}]" for k, v in parts.items()))  # fmt: skip
+        for label, watched in (("the default", results[2]), ("the 1% heatmap budget", results[5])):
+            parts = window_parts(results[0], results[1], watched, flush_every)
+            figures[workload.name][f"parts of {label}"] = parts
+            print(f"  where {label}'s mean goes, points of the unmonitored time (A/A in brackets): "
+                  + ", ".join(f"{k} {v[0]:+.2f} [{v[1]:+.2f}]" for k, v in parts.items()))  # fmt: skip
     return figures
 
 

@@ -200,7 +200,7 @@ def test_the_window_of_an_alert_always_gets_its_heatmap(tmp_path):
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     with GradMonitor(model, logdir=str(tmp_path), flush_every=5) as monitor:
         clock = _fake_heatmap_clock(monitor._stages.outputs.tensorboard)
-        for step in range(60):  # 0.1 ms steps, 10 ms drawings: the 1% budget leaves most windows undrawn
+        for step in range(60):  # 0.1 ms steps, 10 ms drawings: the budget leaves most windows undrawn
             clock.advance(1e-4)
             out = model(torch.randn(4, 4))
             if step == 37:
@@ -215,7 +215,8 @@ def test_the_window_of_an_alert_always_gets_its_heatmap(tmp_path):
     budgeted = [image.step for image in events.Images("gradwatch/gradient_flow")]
     assert at_alerts == [39]
     # budgeted: the first window, the second (the first drawing is not a measure of the cost), then
-    # nothing until a drawing is 1% of the time since the last one, and the last window at close()
+    # nothing until a drawing is within its budget of the time since the last one, and the last
+    # window at close()
     assert budgeted == [4, 9, 59]
 
 
@@ -469,16 +470,21 @@ def test_heatmap_of_tiny_steps_is_spaced_out_by_its_cost_but_first_and_last_draw
     assert _heatmap_steps(tmp_path, budget=None, steps=41) == [1, 3, 40]
 
 
-def test_heatmap_budget_draws_again_once_a_drawing_is_one_percent_of_the_time():
+def test_heatmap_budget_draws_again_once_a_drawing_is_a_quarter_percent_of_the_time():
     pytest.importorskip("matplotlib")
     import tempfile
 
-    # 10 ms steps, 10 ms drawings, windows of 2 steps: a drawing is due when 1 s has passed since
-    # the last one ended, i.e. about every 50th window after the second (the drawings' own time
-    # shifts the third to window 51 after it).
+    from gradwatch.sinks.tensorboard import TensorBoardSink
+
+    assert TensorBoardSink.heatmap_budget == 0.0025
+    # 11 ms steps, 10 ms drawings, windows of 2 steps: a drawing is due when 4 s have passed since
+    # the last one ended. The second drawing (step 3) ends at 64 ms on the test's clock (4 steps,
+    # 2 drawings); the flush of step s comes at (s + 1) x 11 ms + 20 ms: s = 367 is the first at
+    # least 4 s later. That drawing ends at 4078 ms, and the first flush 4 s after it (one more
+    # drawing's 10 ms on the clock) is step 731; the last window is drawn at close().
     with tempfile.TemporaryDirectory() as tmp:
-        steps = _heatmap_steps(tmp, budget=None, steps=260, step_seconds=1e-2)
-    assert steps == [1, 3, 103, 205, 259]
+        steps = _heatmap_steps(tmp, budget=None, steps=900, step_seconds=11e-3)
+    assert steps == [1, 3, 367, 731, 899]
 
 
 def test_the_heatmaps_companion_image_shows_each_layers_output_statistics(tmp_path):
