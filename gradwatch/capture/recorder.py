@@ -237,10 +237,16 @@ class Recorder:
 
     def follow_output_magnitudes(self, window: Any) -> None:
         """After a flush: reduce each layer's output statistics next window in float32 where this
-        window's act_rms shows it exact there (``Cells.follow_output_magnitudes``)."""
+        window's act_rms shows it exact there, and on the CPU its output-gradient statistics where
+        its out_grad_norm does (``Cells.follow_output_magnitudes``). Not under a GradScaler: the
+        taps see its scale, up to 2**24 above the window's unscaled norms."""
         act_rms = window.output_stats.get("act_rms") if window.output_stats else None
         by_name = {} if act_rms is None else {name: act_rms[:, i] for i, name in enumerate(window.layers)}
-        self.cells.follow_output_magnitudes(by_name)
+        grads = window.out_grad_norm
+        grads_by_name = {} if self._scale_source is not None else {
+            name: np.where(window.out_seen[:, i], grads[:, i], np.nan) for i, name in enumerate(window.layers)
+        }  # fmt: skip
+        self.cells.follow_output_magnitudes(by_name, grads_by_name)
 
     def suspect_dead_units(self, layers: np.ndarray) -> None:
         """Record in the window that this rank asked to confirm the dead units of ``layers`` (bool

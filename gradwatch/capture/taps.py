@@ -55,7 +55,7 @@ import torch
 from .. import _compat, registry
 from .buffer import stat_dtype
 from .grad_passthrough import can_pass_through, pass_through
-from .grad_statistics import GradStatistics
+from .grad_statistics import FLOAT32_SAFE_NORM, GradStatistics
 from .grad_tap import GradTap
 from .host_cells import ClockScale, HostCells
 from .layers import LayerSpec, grad_tensors
@@ -262,13 +262,17 @@ class Cells:
                       cells.sampled, cells.sampled_count)
         )
 
-    def follow_output_magnitudes(self, act_rms: dict[str, np.ndarray]) -> None:
+    def follow_output_magnitudes(self, act_rms: dict[str, np.ndarray], out_grad_norm: dict[str, np.ndarray]) -> None:
         """At a flush, for the next window's eager taps: each layer's output statistics in float32
         where its act_rms of the window (``act_rms[name]``, over the steps) allows it
-        (``registry.outputs.float32_is_exact``), else float64; a layer not in ``act_rms``: float64."""
+        (``registry.outputs.float32_is_exact``), else float64; a layer not in ``act_rms``: float64.
+        The same for its output-gradient statistics on the CPU by ``out_grad_norm[name]``
+        (``grad_statistics.FLOAT32_SAFE_NORM``); empty: float64 for every layer."""
         for tap in self.taps:
             values = act_rms.get(tap.name)
             tap.exact_outputs = values is None or not registry.outputs.float32_is_exact(values)
+            norms = out_grad_norm.get(tap.name)
+            tap.grad_stats.float32 = norms is not None and registry.outputs.float32_is_exact(norms, FLOAT32_SAFE_NORM)
 
     def set_unit_sums(self, enabled: bool) -> None:
         """Per-unit sums of squares (for dead_eps > 0) instead of the random projection."""

@@ -55,11 +55,12 @@ class OutputStatistic:
 FLOAT32_SAFE_RMS = (1e-12, 1e12)
 
 
-def float32_is_exact(act_rms: np.ndarray) -> bool:
+def float32_is_exact(act_rms: np.ndarray, bounds: tuple[float, float] = FLOAT32_SAFE_RMS) -> bool:
     """Whether a layer's act_rms values of a window (NaN: not recorded) allow float32 sums next window:
-    some recorded, all finite and within :data:`FLOAT32_SAFE_RMS`."""
+    some recorded, all finite and within ``bounds`` (:data:`FLOAT32_SAFE_RMS`; the output
+    gradients' norms are held to ``capture.grad_statistics.FLOAT32_SAFE_NORM``)."""
     recorded = act_rms[~np.isnan(act_rms)]
-    low, high = FLOAT32_SAFE_RMS
+    low, high = bounds
     return bool(recorded.size) and bool(np.all((recorded >= low) & (recorded <= high)))
 
 

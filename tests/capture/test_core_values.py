@@ -680,3 +680,53 @@ def test_tiny_gradients_beside_float64_and_complex_parameters_keep_every_value(p
     assert monitor.last_window.grad_norm[-1].tolist() == pytest.approx(reference, rel=1e-5, abs=0)
     assert not [r for r in caplog.records if "failed" in r.getMessage()]
     monitor.close()
+
+
+def test_output_gradients_are_reduced_in_float32_on_the_cpu_only_where_the_last_window_shows_it_exact():
+    # #30: on the CPU a float64 reduction of a float32 output gradient costs 3-80x a float32 one; a
+    # layer whose out_grad_norm stayed within 1e-11..1e12 in a window has its next window's rows
+    # normed in float32 (capture/grad_statistics.py). Windows: 1 float64 (nothing known yet), 2 float32,
+    # 3 float32 while the gradients collapse by 1e-20 (the price: its norms are not exact), 4 float64
+    # again. The dead-unit zero test stays exact in every window: unit/channel 0 gets no gradient
+    # (dead), unit/channel 1 a gradient of ~1e-30 (alive), whose float32 squares vanish, so a
+    # convolution's evidence is a projection in float32 windows, not the norms of its rows.
+    # Everything against the test's own float64 computation on the retained gradients.
+    torch.manual_seed(0)
+    lin, conv = nn.Linear(8, 6), nn.Conv2d(3, 4, 3, padding=1)
+    model = nn.ModuleDict({"lin": lin, "conv": conv})
+    unit_scale = torch.tensor([0.0, 1e-30, 1.0, 1.0, 1.0, 1.0])
+    channel_scale = torch.tensor([0.0, 1e-30, 1.0, 1.0]).view(1, 4, 1, 1)
+    monitor = GradMonitor(model, flush_every=4, detail="full")
+    taps = {tap.name: tap for tap in monitor._recorder.cells.taps}
+    float32, expected, grads = [], [], {"lin": [], "conv": []}
+    for step in range(16):
+        collapse = 1e-20 if 8 <= step < 12 else 1.0
+        float32.append({name: tap.grad_stats.float32 for name, tap in taps.items()})
+        out, image = lin(torch.randn(5, 8)), conv(torch.randn(4, 3, 6, 6))
+        out.retain_grad(), image.retain_grad()
+        loss = (out * unit_scale * torch.randn_like(out)).sum() + (image * channel_scale * torch.randn_like(image)).sum()
+        (loss * collapse).backward()
+        expected.append({"lin": float(out.grad.double().norm()), "conv": float(image.grad.double().norm())})
+        grads["lin"].append(out.grad.clone())
+        grads["conv"].append(image.grad.transpose(0, 1).reshape(4, -1).t().clone())  # (samples x positions, channel)
+        monitor.step()
+        model.zero_grad()
+        if step % 4 == 3:
+            w = monitor.last_window
+            for t in range(4):
+                for i, name in enumerate(w.layers):
+                    got, want = w.out_grad_norm[t, i], expected[step - 3 + t][name]
+                    if not float32[step - 3 + t][name]:  # float64: exact at any magnitude
+                        assert got == pytest.approx(want, rel=1e-9), (step, t, name)
+                    elif want > 1e-11:
+                        assert got == pytest.approx(want, rel=1e-6), (step, t, name)
+            for i, name in enumerate(w.layers):
+                alive = (torch.cat(grads[name]) != 0).any(dim=0)
+                assert w.dead_fraction[i] == pytest.approx(1.0 - float(alive.double().mean())), (step, name)
+                if step < 8:  # the test means something: one dead unit, the tiny one alive
+                    assert alive.tolist()[:3] == [False, True, True]
+                grads[name].clear()
+    monitor.close()
+    assert [f["lin"] for f in float32] == [False] * 4 + [True] * 8 + [False] * 4
+    assert [f["conv"] for f in float32] == [False] * 4 + [True] * 8 + [False] * 4
+    assert float(torch.linalg.vector_norm(torch.full((8,), 1e-30))) == 0.0  # float32 rows of it read zero

@@ -103,11 +103,16 @@ def test_the_default_adds_at_most_its_budget_of_aten_ops_per_step(make, monkeypa
 
 
 @pytest.mark.parametrize("make", [_mlp, _transformer], ids=["mlp8x512-batch64", "transformer4x256-adam"])
-def test_a_sampled_step_adds_a_few_ops_per_layer_call_to_the_hooks(make):
+def test_a_sampled_step_adds_a_few_ops_per_layer_call_to_the_hooks(make, monkeypatch):
     # #30: on a sampled step an eager tap does the forward order (one op), the output statistics
     # (norm, square, count, one stack written into its cells), and on the output gradient its row
     # norms, their dot, the projection and its square: counts (calls, samples, elements) are
     # host numbers, and a layer's first call writes its cells (out=) instead of adding to them.
+    # The accelerators' path (kernel launches): the CPU's float32 row norms add a cast per layer
+    # for time the CPU saves (float64 reductions are 3-80x slower there; benchmarks/RESULTS.md).
+    import gradwatch.capture.grad_statistics as grad_statistics
+
+    monkeypatch.setattr(grad_statistics, "CPU_FLOAT32", False)
     def hook_ops(slot: int) -> tuple[int, int]:
         torch.manual_seed(0)
         model, x, y = make()
