@@ -95,8 +95,7 @@ def gradwatch_contender(flush_every: int, with_optimizer: bool = False, detail: 
                 self._step_start = None
             board = self.monitor._stages.pipeline.outputs.tensorboard if self.monitor._stages.pipeline.outputs else None
             if board is not None and board.clock != self._own_clock:
-                board.clock = self._own_clock
-                board._last_heatmap = self._own_clock()
+                board.use_clock(self._own_clock)
                 if heatmap_budget is not None:
                     board.heatmap_budget = heatmap_budget
 

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -207,6 +207,17 @@ class TensorBoardSink:
             self._undrawn = w
         # No writer.flush() here: it would wait for the writer thread to put every event on
         # disk. Events reach disk at the writer's own pace (flush_secs) and at close().
+
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """Measure the heatmap budget on ``clock`` (seconds, monotonic) from now on, e.g. one that
+        counts only this run's own steps when it shares the process with others; the budget's
+        period restarts now.
+
+        Args:
+            clock: returns the current time in seconds.
+        """
+        self.clock = clock
+        self._last_heatmap = clock()
 
     def share_layout(self, layers: list[str], writes_it: bool) -> None:
         """This sink is one of several on the same writer: the layout names ``layers`` (all of

@@ -423,8 +423,7 @@ class _FakeClock:
 def _fake_heatmap_clock(sink, drawing_seconds: float = 1e-2) -> _FakeClock:
     """Give the sink a clock the test moves: each step advances it, each drawing takes ``drawing_seconds``."""
     clock = _FakeClock()
-    sink.clock = clock
-    sink._last_heatmap = clock()
+    sink.use_clock(clock)
     draw = sink._add_heatmap
 
     def timed_draw(*args, **kwargs):
