@@ -730,3 +730,27 @@ def test_output_gradients_are_reduced_in_float32_on_the_cpu_only_where_the_last_
     assert [f["lin"] for f in float32] == [False] * 4 + [True] * 8 + [False] * 4
     assert [f["conv"] for f in float32] == [False] * 4 + [True] * 8 + [False] * 4
     assert float(torch.linalg.vector_norm(torch.full((8,), 1e-30))) == 0.0  # float32 rows of it read zero
+
+
+def test_activation_rms_of_a_large_output_in_a_float32_window_is_accurate_on_the_cpu():
+    # #30: one float32 norm of a million-element CPU tensor accumulates sequentially per vector lane
+    # and is off by ~1e-5 relative; act_rms's float32 windows norm 1024-element rows and combine
+    # them in float64 (registry/outputs.py): within 1e-7 of the test's own float64 computation.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU())
+    outputs = []
+    model[0].register_forward_hook(lambda m, a, o: outputs.append(o.detach()))
+    monitor = GradMonitor(model, flush_every=2, detail="full")
+    tap = monitor._recorder.cells.taps[0]
+    for _ in range(4):
+        model(torch.randn(1024, 1024)).sum().backward()
+        monitor.step()
+        model.zero_grad()
+    assert not tap.exact_outputs  # window 2 took the float32 path
+    expected = [float(o.double().square().mean().sqrt()) for o in outputs[2:]]
+    got = monitor.last_window.output_stats["act_rms"][:, 0].tolist()
+    monitor.close()
+    assert got == [pytest.approx(e, rel=1e-7, abs=0) for e in expected]
+    # the test means something: one float32 norm of the same output is further off
+    plain = float(torch.linalg.vector_norm(outputs[2])) / 1024.0
+    assert abs(plain - expected[0]) / expected[0] > 1e-7

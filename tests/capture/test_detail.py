@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from benchmarks.harness import OpCounter
-from gradwatch import GradMonitor
+from gradwatch import GradMonitor, registry
 
 from ..conftest import read_scalars
 from ..reference import RetainedOutputs
@@ -95,6 +95,7 @@ def test_the_default_adds_at_most_its_budget_of_aten_ops_per_step(make, monkeypa
 
     monkeypatch.setattr(param_stats, "CPU_FAST_PATH", False)
     monkeypatch.setattr(grad_statistics, "CPU_FLOAT32", False)  # the CPU's float32 output-gradient rows
+    monkeypatch.setattr(registry.outputs, "CPU_ROWS", False)  # and its act_rms rows
     plain, plain_ops = _ops_per_step(make, monitored=False, window=2, counted=10)  # the same every step
     standard, standard_ops = _ops_per_step(make, monitored=True)
     full, _ = _ops_per_step(make, monitored=True, detail="full", window=3, counted=2)  # every step alike
@@ -116,6 +117,7 @@ def test_a_sampled_step_adds_a_few_ops_per_layer_call_to_the_hooks(make, monkeyp
     import gradwatch.capture.grad_statistics as grad_statistics
 
     monkeypatch.setattr(grad_statistics, "CPU_FLOAT32", False)
+    monkeypatch.setattr(registry.outputs, "CPU_ROWS", False)
     def hook_ops(slot: int) -> tuple[int, int]:
         torch.manual_seed(0)
         model, x, y = make()
