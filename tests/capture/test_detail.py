@@ -74,8 +74,9 @@ def _ops_per_step(
 
 
 #: The default's aten ops per step over a whole window, above an unmonitored step's (#30 asks +5%).
-#: Measured (CPU path / accelerators' path): MLP +7.2% / +7.3%, Transformer +5.0% / +4.8% (the CPU
-#: path +0.2 since its float32 output-gradient rows add a cast per layer on sampled steps). Before
+#: Measured (CPU path / accelerators' path): MLP +7.5% / +7.3%, Transformer +5.2% / +4.8% (the CPU
+#: path +0.4 since its float32 rows of output gradients and act_rms add 3 ops per layer on sampled
+#: steps, for time: float64 reductions are 3-80x slower there). Before
 #: the eager taps counted on the host and wrote their first call with out= (#30, this session):
 #: +8.4% / +9.3% and +6.1% / +6.6%; before the forward check became one op per layer: +10.9% and
 #: +8.4%. The MLP cannot reach +5%: its whole step is ~35 ops a layer, and the forward check (one op
