@@ -130,7 +130,8 @@ class GradStatistics:
             the samples behind the dead-unit evidence (0.0: ``g`` is none).
         """
         ndim = g.ndim
-        if self.float32 and CPU_FLOAT32 and g.dtype == torch.float32 and not self.unit_sums and g.device.type == "cpu":
+        if self.float32 and CPU_FLOAT32 and g.dtype == torch.float32 and not self.unit_sums and g.device.type == "cpu" \
+                and g.is_contiguous():  # a channels-last gradient would be copied for the projection
             return self._record_float32(g, sq, units, first)
         if ndim >= 3 and self.unit_dim(ndim) == 1:
             # (N, C, *spatial): as in :meth:`of`, per (sample, channel) over positions, then per channel.

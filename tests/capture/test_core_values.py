@@ -682,7 +682,8 @@ def test_tiny_gradients_beside_float64_and_complex_parameters_keep_every_value(p
     monitor.close()
 
 
-def test_output_gradients_are_reduced_in_float32_on_the_cpu_only_where_the_last_window_shows_it_exact():
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels-last"])
+def test_output_gradients_are_reduced_in_float32_on_the_cpu_only_where_the_last_window_shows_it_exact(memory_format):
     # #30: on the CPU a float64 reduction of a float32 output gradient costs 3-80x a float32 one; a
     # layer whose out_grad_norm stayed within 1e-11..1e12 in a window has its next window's rows
     # normed in float32 (capture/grad_statistics.py). Windows: 1 float64 (nothing known yet), 2 float32,
@@ -690,9 +691,10 @@ def test_output_gradients_are_reduced_in_float32_on_the_cpu_only_where_the_last_
     # again. The dead-unit zero test stays exact in every window: unit/channel 0 gets no gradient
     # (dead), unit/channel 1 a gradient of ~1e-30 (alive), whose float32 squares vanish, so a
     # convolution's evidence is a projection in float32 windows, not the norms of its rows.
-    # Everything against the test's own float64 computation on the retained gradients.
+    # Everything against the test's own float64 computation on the retained gradients. A
+    # channels-last convolution keeps the float64 path (its projection would copy the gradient).
     torch.manual_seed(0)
-    lin, conv = nn.Linear(8, 6), nn.Conv2d(3, 4, 3, padding=1)
+    lin, conv = nn.Linear(8, 6), nn.Conv2d(3, 4, 3, padding=1).to(memory_format=memory_format)
     model = nn.ModuleDict({"lin": lin, "conv": conv})
     unit_scale = torch.tensor([0.0, 1e-30, 1.0, 1.0, 1.0, 1.0])
     channel_scale = torch.tensor([0.0, 1e-30, 1.0, 1.0]).view(1, 4, 1, 1)
@@ -702,8 +704,9 @@ def test_output_gradients_are_reduced_in_float32_on_the_cpu_only_where_the_last_
     for step in range(16):
         collapse = 1e-20 if 8 <= step < 12 else 1.0
         float32.append({name: tap.grad_stats.float32 for name, tap in taps.items()})
-        out, image = lin(torch.randn(5, 8)), conv(torch.randn(4, 3, 6, 6))
+        out, image = lin(torch.randn(5, 8)), conv(torch.randn(4, 3, 6, 6).to(memory_format=memory_format))
         out.retain_grad(), image.retain_grad()
+        assert image.is_contiguous(memory_format=memory_format)
         loss = (out * unit_scale * torch.randn_like(out)).sum() + (image * channel_scale * torch.randn_like(image)).sum()
         (loss * collapse).backward()
         expected.append({"lin": float(out.grad.double().norm()), "conv": float(image.grad.double().norm())})
