@@ -9,8 +9,8 @@ Laid out from scratch, the figure costs 90-190 ms (``tight_layout`` and the text
 name and tick), ten times the heatmap's redraw, and it was drawn at every heatmap: most of a
 flush's cost. ``LayerOutputsChart`` lays it out once per (layers, statistics, log-axis range),
 like ``heatmap.GradientFlowHeatmap``, and afterwards redraws only the bars and the title over a
-saved background. The log axis's range is fixed per layout (a decade of margin each side, only
-ever growing), so a bar's length means the same in every image of a run.
+saved background. The log axis's range is fixed per layout (the whole decades the values span,
+only ever growing), so a bar's length means the same in every image of a run.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def bar_lengths(name: str, values: np.ndarray) -> np.ndarray:
 
 
 def _decades(means: dict[str, np.ndarray]) -> dict[str, tuple[float, float]]:
-    """Per log-scale statistic, the decades (floor, ceil of log10) its positive values span."""
+    """Per log-scale statistic, the whole decades its positive values span, with at least 0.3 of a
+    decade below the smallest (so that its bar is seen: bars start at the axis's left end)."""
     spans = {}
     for name, values in means.items():
         if name not in _LOG_SCALE:
@@ -56,7 +57,7 @@ def _decades(means: dict[str, np.ndarray]) -> dict[str, tuple[float, float]]:
         positive = values[np.isfinite(values) & (values > 0)]
         if positive.size:
             logs = np.log10(positive)
-            spans[name] = (float(math.floor(logs.min())), float(math.ceil(logs.max())))
+            spans[name] = (float(math.floor(logs.min() - 0.3)), float(math.ceil(logs.max())))
     return spans
 
 
@@ -88,8 +89,9 @@ class LayerOutputsChart:
 
     def _needs_layout(self, w: Window, means: dict[str, np.ndarray]) -> bool:
         """Whether the figure must be laid out anew (other layers or statistics, or a log value
-        outside its panel's range); updates the ranges when it must (a decade of margin each side;
-        a range only grows, so that a run moving back and forth settles)."""
+        outside its panel's range); updates the ranges when it must (whole decades around the
+        values, so that bars of one decade differ visibly; a range only grows, so that a run moving
+        back and forth settles)."""
         key = (tuple(w.layers), tuple(means))
         spans = _decades(means)
         inside = all(
@@ -103,7 +105,6 @@ class LayerOutputsChart:
             if name not in _LOG_SCALE:
                 continue
             low, high = spans.get(name, (-1.0, 0.0))
-            low, high = low - 1.0, high + 1.0
             if name in ranges:
                 low, high = min(low, ranges[name][0]), max(high, ranges[name][1])
             ranges[name] = (low, high)
