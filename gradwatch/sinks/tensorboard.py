@@ -196,24 +196,17 @@ class TensorBoardSink:
         due = cost is None or cost <= self.heatmap_budget * (now - self._last_heatmap)
         # A window that raised an alert is always drawn, whatever the budget: it is the one that matters.
         if self.heatmap and (final or alerts or due):
-            layouts = self._layouts()
+            first = self._heatmap is None
             self._add_heatmap(w, [a.step for a in alerts])
             self._last_heatmap = self.clock()
-            # A drawing that laid a figure out (the first one also imports matplotlib; later, a
-            # colour or log range that grew) costs 3-10x a redraw: not a measure of what the next
-            # one costs, so the estimate stays as it was (none yet: the next window is drawn).
-            if self._layouts() == layouts:
-                self._heatmap_cost = self._last_heatmap - now
+            # The first drawing also imports matplotlib and lays the figure out: not a
+            # measure of what the next one costs.
+            self._heatmap_cost = None if first else self._last_heatmap - now
             self._undrawn = None
         else:
             self._undrawn = w
         # No writer.flush() here: it would wait for the writer thread to put every event on
         # disk. Events reach disk at the writer's own pace (flush_secs) and at close().
-
-    def _layouts(self) -> int:
-        """How many times the images' figures were laid out so far."""
-        charts = (self._heatmap, self._outputs_chart)
-        return sum(chart.full_draws for chart in charts if chart is not None)
 
     def use_clock(self, clock: Callable[[], float]) -> None:
         """Measure the heatmap budget on ``clock`` (seconds, monotonic) from now on, e.g. one that
