@@ -16,16 +16,16 @@ import math
 
 import torch
 
+from ..registry import outputs
+
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 
 #: A layer whose output-gradient norm stayed within these bounds over a window has its next window's
-#: eager statistics reduced in float32 on the CPU (``GradStatistics.float32``): the squares of a total
+#: eager statistics reduced in float32 on the CPU (``GradStatistics.float32``; the switch is
+#: ``registry.outputs.CPU_ROWS``, act_rms's too): the squares of a total
 #: of at least 1e-22 lose nothing to underflow that float32 could show, and a norm up to 1e12 leaves
 #: seven decades of growth within the window before its squares overflow.
 FLOAT32_SAFE_NORM = (1e-11, 1e12)
-#: Whether the CPU takes the float32 path at all (tests of the accelerators' op counts turn it off:
-#: there float64 accumulation is memory-bound, not 4-80x slower, and the path adds an op).
-CPU_FLOAT32 = True
 
 
 class GradStatistics:
@@ -47,7 +47,7 @@ class GradStatistics:
         self.unit_sums = False
         #: the layer's output-gradient norms were within :data:`FLOAT32_SAFE_NORM` over the last
         #: window: eager taps on the CPU take norms of rows in float32 (combined in float64) and
-        #: a convolution's dead-unit evidence by projection (``_record_float32``)
+        #: a convolution's dead-unit evidence by projection (``_float32_rows``)
         self.float32 = False
         #: (rows, dtype) -> the first ``rows`` projection weights as a (1, rows) matrix (eager: slicing
         #: and converting are an op each per call; batch shapes repeat)
@@ -130,20 +130,18 @@ class GradStatistics:
             the samples behind the dead-unit evidence (0.0: ``g`` is none).
         """
         ndim = g.ndim
-        if self.float32 and CPU_FLOAT32 and g.dtype == torch.float32 and not self.unit_sums and g.device.type == "cpu" \
-                and g.is_contiguous():  # a channels-last gradient would be copied for the projection
-            return self._record_float32(g, sq, units, first)
+        fast = self._float32_rows(g)
         if ndim >= 3 and self.unit_dim(ndim) == 1:
             # (N, C, *spatial): as in :meth:`of`, per (sample, channel) over positions, then per channel.
-            rows = torch.linalg.vector_norm(g, 2, dim=tuple(range(2, ndim)), dtype=self.dtype)
+            rows = self._row_norms(g, tuple(range(2, ndim)), fast)
             _write(_sum_all, (rows.square(),), sq, first)
             if not self.judged(g):
                 return 0.0
-            evidence = torch.linalg.vector_norm(rows, 2, dim=0, keepdim=True)
+            evidence = self._channel_projection(g) if fast else torch.linalg.vector_norm(rows, 2, dim=0, keepdim=True)
             units.addcmul_(evidence, evidence)
             return float(g.shape[0])
         rows = _as_rows(g)
-        row_norms = torch.linalg.vector_norm(rows, 2, dim=1, dtype=self.dtype)
+        row_norms = self._row_norms(rows, 1, fast)
         _write(torch.dot, (row_norms, row_norms), sq, first)
         if not self.judged(g):
             return 0.0
@@ -157,41 +155,39 @@ class GradStatistics:
         units.addcmul_(evidence, evidence)
         return float(n)
 
-    def _record_float32(self, g: torch.Tensor, sq: torch.Tensor, units: torch.Tensor, first: bool) -> float:
-        """:meth:`record` for a float32 CPU gradient in a window where its layer's norms allow it.
+    def _float32_rows(self, g: torch.Tensor) -> bool:
+        """Whether :meth:`record` norms ``g``'s rows in float32 (combined in float64).
 
         On the CPU a float64 reduction of float32 values is 3-80x slower than a float32 one (the
         cast is not vectorised: 0.2-0.6 ms per convolution output of the standard CNN, 16 ms for a
-        (64, 64, 32, 32) one, against 0.05-0.15 ms). Here each row (a sample's channel, a token)
-        is normed in float32 (relative error ~4e-8: few elements each) and the rows are combined in
-        float64. A row's squares below ~1e-38 are lost to underflow, nothing next to a total of at
-        least 1e-22 (:data:`FLOAT32_SAFE_NORM`). A unit's zero test must not depend on underflow,
-        so a convolution's dead-unit evidence is a projection here, like a linear layer's: channel
-        ``c`` gets ``sum over n, p of w_n w_p g[n, c, p]`` with fixed positive weights, which is
-        zero for a channel whose gradient is zero and (but for an exact cancellation against
-        irrational-like weights) not otherwise, at any magnitude."""
-        ndim = g.ndim
-        if ndim >= 3 and self.unit_dim(ndim) == 1:
-            rows = torch.linalg.vector_norm(g, 2, dim=tuple(range(2, ndim))).to(self.dtype)
-            _write(_sum_all, (rows.square(),), sq, first)
-            if not self.judged(g):
-                return 0.0
-            n, c = g.shape[0], g.shape[1]
-            per_position = torch.mm(self._weight_row(n, g.dtype, g.device), g.reshape(n, -1))  # (1, C x P)
-            positions = per_position.shape[1] // c
-            evidence = torch.mm(per_position.view(c, positions), self._weight_row(positions, g.dtype, g.device).view(positions, 1))
-            evidence = evidence.view(1, c)
-            units.addcmul_(evidence, evidence)
-            return float(n)
-        rows = _as_rows(g)
-        row_norms = torch.linalg.vector_norm(rows, 2, dim=1).to(self.dtype)
-        _write(torch.dot, (row_norms, row_norms), sq, first)
-        if not self.judged(g):
-            return 0.0
-        n = rows.shape[0]
-        evidence = torch.mm(self._weight_row(n, rows.dtype, rows.device), rows)  # as in record()
-        units.addcmul_(evidence, evidence)
-        return float(n)
+        (64, 64, 32, 32) one, against 0.05-0.15 ms). In a window where the layer's norms allow it
+        (:attr:`float32`), each row (a sample's channel, a token) is normed in float32 (relative
+        error ~4e-8: few elements each): a row's squares below ~1e-38 are lost to underflow,
+        nothing next to a total of at least 1e-22 (:data:`FLOAT32_SAFE_NORM`). Not with per-unit
+        sums (``dead_eps > 0``), nor for a channels-last gradient (:meth:`_channel_projection`
+        would copy it)."""
+        return (self.float32 and outputs.CPU_ROWS and g.dtype == torch.float32 and not self.unit_sums
+                and g.device.type == "cpu" and g.is_contiguous())  # fmt: skip
+
+    def _row_norms(self, x: torch.Tensor, dim: int | tuple[int, ...], fast: bool) -> torch.Tensor:
+        """Norms of ``x`` over ``dim`` in the cells' dtype: accumulated in it, or (``fast``) in float32 and cast."""
+        if fast:
+            return torch.linalg.vector_norm(x, 2, dim=dim).to(self.dtype)
+        return torch.linalg.vector_norm(x, 2, dim=dim, dtype=self.dtype)
+
+    def _channel_projection(self, g: torch.Tensor) -> torch.Tensor:
+        """A contiguous (N, C, *spatial) gradient's dead-unit evidence in float32 windows, (1, C).
+
+        Float32 row norms of 1e-30 gradients read zero, and a unit's zero test must not depend on
+        underflow: channel ``c`` gets ``sum over n, p of w_n w_p g[n, c, p]`` with fixed positive
+        weights, like a linear layer's projection: zero for a channel whose gradient is zero and
+        (but for an exact cancellation against irrational-like weights) not otherwise, at any
+        magnitude."""
+        n, c = g.shape[0], g.shape[1]
+        per_position = torch.mm(self._weight_row(n, g.dtype, g.device), g.reshape(n, -1))  # (1, C x P)
+        positions = per_position.shape[1] // c
+        weights = self._weight_row(positions, g.dtype, g.device).view(positions, 1)
+        return torch.mm(per_position.view(c, positions), weights).view(1, c)
 
     def _weight_row(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The first ``n`` projection weights as (1, n), kept per shape for the drawn ones (views, or

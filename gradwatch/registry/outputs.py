@@ -55,18 +55,21 @@ class OutputStatistic:
 FLOAT32_SAFE_RMS = (1e-12, 1e12)
 
 
-def float32_is_exact(act_rms: np.ndarray, bounds: tuple[float, float] = FLOAT32_SAFE_RMS) -> bool:
-    """Whether a layer's act_rms values of a window (NaN: not recorded) allow float32 sums next window:
-    some recorded, all finite and within ``bounds`` (:data:`FLOAT32_SAFE_RMS`; the output
+def float32_is_exact(values: np.ndarray, bounds: tuple[float, float] = FLOAT32_SAFE_RMS) -> bool:
+    """Whether a layer's values of a window (NaN: not recorded) allow float32 sums next window: some
+    recorded, all finite and within ``bounds`` (act_rms against :data:`FLOAT32_SAFE_RMS`; the output
     gradients' norms are held to ``capture.grad_statistics.FLOAT32_SAFE_NORM``)."""
-    recorded = act_rms[~np.isnan(act_rms)]
+    recorded = values[~np.isnan(values)]
     low, high = bounds
     return bool(recorded.size) and bool(np.all((recorded >= low) & (recorded <= high)))
 
 
 #: Elements per row of the CPU's float32 sum of squares (see ``_sum_of_squares``).
 _CPU_ROW = 1024
-#: Whether the CPU takes the rows path at all (tests of the accelerators' op counts turn it off).
+#: Whether the CPU norms float32 rows where the last window allows it: act_rms's sums of squares
+#: here, the output gradients' rows in ``capture.grad_statistics`` (one switch: tests of the
+#: accelerators' op counts turn it off, as there float64 accumulation is memory-bound and the
+#: rows add ops).
 CPU_ROWS = True
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..flush.window import Window
 from ..registry.outputs import OUTPUT_STATISTICS
-from .heatmap import _DPI, _WIDTH_PX, _short
+from .heatmap import _DPI, _WIDTH_PX, _short, figure_rgb
 
 _LOG_SCALE = {s.name for s in OUTPUT_STATISTICS if s.log_scale}  # drawn on a log axis (magnitudes over decades)
 _BAR_COLOUR = "#1f77b4"
@@ -84,8 +84,7 @@ class LayerOutputsChart:
         if self._needs_layout(w, means):
             self._layout(w, list(means))
         self._draw_changing_parts(w, means)
-        rgba = np.asarray(self._figure.canvas.buffer_rgba())
-        return np.ascontiguousarray(rgba[:, :, :3])
+        return figure_rgb(self._figure)
 
     def _needs_layout(self, w: Window, means: dict[str, np.ndarray]) -> bool:
         """Whether the figure must be laid out anew (other layers or statistics, or a log value

@@ -43,6 +43,12 @@ def _short(name: str) -> str:
     return name if len(name) <= _LABEL_CHARS else "..." + name[-(_LABEL_CHARS - 3) :]
 
 
+def figure_rgb(figure: Any) -> np.ndarray:
+    """What a drawn figure's Agg canvas holds, as a contiguous RGB image (H, W, 3, uint8)."""
+    rgba = np.asarray(figure.canvas.buffer_rgba())
+    return np.ascontiguousarray(rgba[:, :, :3])
+
+
 def tick_offsets(n_steps: int, most: int = 8) -> list[int]:
     """Regular tick positions 0, k, 2k, ... in a window of ``n_steps`` (k a round number)."""
     every = next((k for k in _NICE_STEPS if math.ceil(n_steps / k) <= most), n_steps)
@@ -88,8 +94,7 @@ class GradientFlowHeatmap:
             self._layout(w)
         self._image.set_data(np.ma.masked_invalid(values))
         self._draw_changing_parts(w, alert_steps or [])
-        rgba = np.asarray(self._figure.canvas.buffer_rgba())
-        return np.ascontiguousarray(rgba[:, :, :3])
+        return figure_rgb(self._figure)
 
     def _layout(self, w: Window) -> None:
         import matplotlib

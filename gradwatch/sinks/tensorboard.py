@@ -170,7 +170,7 @@ class TensorBoardSink:
         self._heatmap_cost: float | None = None  # seconds the last drawing took; None: draw now
         self._undrawn: Window | None = None  # the newest window not drawn yet
         self._heatmap: GradientFlowHeatmap | None = None
-        self._outputs_chart: LayerOutputsChart | None = None  # the heatmap's companion
+        self._outputs_chart = LayerOutputsChart()  # the heatmap's companion (lays itself out when first drawn)
         #: the health checks' thresholds, written with the layer list (None: not written)
         self.thresholds: dict[str, Any] | None = None
         #: the layers' module types (name -> class name), written with the layer list
@@ -258,8 +258,6 @@ class TensorBoardSink:
     def _add_heatmap(self, w: Window, alert_steps: list[int] | None = None) -> None:
         if self._heatmap is None:
             self._heatmap = GradientFlowHeatmap()
-        if self._outputs_chart is None:
-            self._outputs_chart = LayerOutputsChart()
         try:
             image = self._heatmap.render(w, alert_steps)
         except ImportError:

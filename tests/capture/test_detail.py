@@ -91,12 +91,10 @@ def test_the_default_adds_at_most_its_budget_of_aten_ops_per_step(make, monkeypa
     # On the accelerators' path (the device-agnostic one, here on CPU tensors): op counts stand for
     # kernel launches, which is where a launch-bound accelerator pays them; what the CPU's own path
     # costs is its time (benchmarks/). It adds about as many (the numbers above).
-    import gradwatch.capture.grad_statistics as grad_statistics
     import gradwatch.capture.param_stats as param_stats
 
     monkeypatch.setattr(param_stats, "CPU_FAST_PATH", False)
-    monkeypatch.setattr(grad_statistics, "CPU_FLOAT32", False)  # the CPU's float32 output-gradient rows
-    monkeypatch.setattr(registry.outputs, "CPU_ROWS", False)  # and its act_rms rows
+    monkeypatch.setattr(registry.outputs, "CPU_ROWS", False)  # the CPU's float32 rows (output gradients, act_rms)
     plain, plain_ops = _ops_per_step(make, monitored=False, window=2, counted=10)  # the same every step
     standard, standard_ops = _ops_per_step(make, monitored=True)
     full, _ = _ops_per_step(make, monitored=True, detail="full", window=3, counted=2)  # every step alike
@@ -115,9 +113,6 @@ def test_a_sampled_step_adds_a_few_ops_per_layer_call_to_the_hooks(make, monkeyp
     # host numbers, and a layer's first call writes its cells (out=) instead of adding to them.
     # The accelerators' path (kernel launches): the CPU's float32 row norms add a cast per layer
     # for time the CPU saves (float64 reductions are 3-80x slower there; benchmarks/RESULTS.md).
-    import gradwatch.capture.grad_statistics as grad_statistics
-
-    monkeypatch.setattr(grad_statistics, "CPU_FLOAT32", False)
     monkeypatch.setattr(registry.outputs, "CPU_ROWS", False)
     def hook_ops(slot: int) -> tuple[int, int]:
         torch.manual_seed(0)
