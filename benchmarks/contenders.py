@@ -82,22 +82,23 @@ def gradwatch_contender(flush_every: int, with_optimizer: bool = False, detail: 
             )
             self.buffer_bytes = self.monitor.buffer_bytes
             self._own_time, self._step_start = 0.0, None
-
-        def step(self):
             # The heatmap image is drawn when it costs at most its budget of the wall time since the last
             # one; interleaved with other contenders that time would hold their steps too, so its
             # budget's clock here counts this contender's own steps only, as a run alone would.
+            outputs = self.monitor._stages.outputs
+            board = outputs.tensorboard if outputs is not None else None
+            if board is not None:
+                board.use_clock(self._own_clock)
+                if heatmap_budget is not None:
+                    board.heatmap_budget = heatmap_budget
+
+        def step(self):
             self._step_start = time.perf_counter()
             try:
                 super().step()
             finally:
                 self._own_time += time.perf_counter() - self._step_start
                 self._step_start = None
-            board = self.monitor._stages.pipeline.outputs.tensorboard if self.monitor._stages.pipeline.outputs else None
-            if board is not None and board.clock != self._own_clock:
-                board.use_clock(self._own_clock)
-                if heatmap_budget is not None:
-                    board.heatmap_budget = heatmap_budget
 
         def _own_clock(self) -> float:
             """Seconds spent in this contender's steps, the current one included (the drawing's

@@ -111,16 +111,16 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50) ->
             figures[workload.name][r.name] = {"mean_ratio": r.mean / base.mean, "paired_median": paired[0]}
             print(f"{r.name:36s} mean ratio {r.mean / base.mean:6.3f}   paired median {paired[0]:6.3f} "
                   f"[{paired[1]:.3f}, {paired[2]:.3f}]", flush=True)  # fmt: skip
-        for label, watched in (("the default", results[2]), ("the 1% heatmap budget", results[5])):
+        for watched in (r for r in results if r.name.startswith("gradwatch")):
             parts = window_parts(results[0], results[1], watched, flush_every)
-            figures[workload.name][f"parts of {label}"] = parts
-            print(f"  where {label}'s mean goes, points of the unmonitored time (A/A in brackets): "
+            figures[workload.name][f"parts of {watched.name}"] = parts
+            print(f"  where {watched.name}'s mean goes, points of the unmonitored time (A/A in brackets): "
                   + ", ".join(f"{k} {v[0]:+.2f} [{v[1]:+.2f}]" for k, v in parts.items()))  # fmt: skip
     return figures
 
 
 def window_parts(base, control, watched, flush_every: int) -> dict[str, tuple[float, float]]:
-    """The default's time above the unmonitored step, by the kind of step of the window it was
+    """A gradwatch contender's time above the unmonitored step, by the kind of step of the window it was
     spent on (rounds start at a window's first step): its sampled steps (the default's plan,
     ``capture.layout.planned_slots``), its flush (the last slot, where the heatmap image is drawn
     when its budget allows), and the rest; in points of the unmonitored total, with the A/A
