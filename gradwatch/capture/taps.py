@@ -34,13 +34,14 @@ What dynamo needs, each measured on torch 2.13 (tests/test_compile.py keeps them
   at the recompile limit.
 - Whether the step is sampled is *data* inside compiled code, not a Python value dynamo
   guards on (that made each compiled shape two graphs, sampled and unsampled, and static
-  shapes reached the recompile limit twice as fast). Forward: the order clock and the output
-  statistics are computed at every step and kept where the device's flag says so (they fuse
-  into the kernel that reads the output for the forward check). Backward: the hook is on every
-  step's output and computes its statistics in a branch the graph takes at run time on the
-  host's flag (``torch.cond`` on a CPU tensor: reading it never waits for the device); computing
-  them at every step and masking measured 1.13x on the compiled Transformer against 1.03x
-  (benchmarks/RESULTS.md). Eager taps read the Python bool and skip the work.
+  shapes reached the recompile limit twice as fast). Forward: the order clock is computed at
+  every step and kept where the device's flag says so (a few scalar ops); the output statistics
+  in a branch the graph takes at run time on the host's flag (``torch.cond`` on a CPU tensor:
+  reading it never waits for the device). Backward: the hook is on every step's output and
+  computes its statistics in such a branch too. Computed at every step and masked, the backward's
+  measured 1.13x on the compiled Transformer against 1.03x, the forward's 1.024 against 1.013
+  (benchmarks/RESULTS.md), although they fuse into the forward check's kernel: float64 squares
+  and a count over every output element. Eager taps read the Python bool and skip the work.
 - The tensor hook returns its gradient unchanged (returning None fails under compiled autograd).
 """
 
@@ -438,7 +439,7 @@ class OutputTap:
         """``record_output`` inside compiled code: every step's graph is the sampled one, and what
         only sampled steps record is kept where this device's flag says so (see the module
         docstring); with ``detail="full"`` (a constant for the compiled code) every step keeps it.
-        The sums fuse into the kernel that reads the output for the forward check."""
+        The forward check's sum fuses into the kernel that makes the output or reads it next."""
         local = local_tensor(out)
         every_step = self.plan.every_step
         with torch.no_grad():
@@ -452,11 +453,29 @@ class OutputTap:
                 self.first_call.clamp_min_(self.clock * count)
                 self.clock.sub_(count * self.clock_tick)
             if self.output_stats is not None:
-                values = registry.accumulate_all(local, self.output_stats.dtype)
-                self.output_stats.add_(values if every_step else torch.where(self.sampled, values, 0.0))
+                self.output_stats.add_(self._traced_output_values(local, every_step))
                 self.output_elements.add_(local.numel() if every_step else count * local.numel())
         if out.requires_grad and not self.plan.grads_through_function:
             out.register_hook(self.on_output_grad)
+
+    def _traced_output_values(self, local: torch.Tensor, every_step: bool) -> torch.Tensor:
+        """The output statistics' accumulators of one call inside compiled code: at every step with
+        ``detail="full"``; otherwise computed on sampled steps only, in a branch the graph takes at
+        run time on the host's flag (``torch.cond``, as the output-gradient tap does), and zeros on
+        the others. Computed at every step and masked, their float64 squares and count over every
+        output element cost the compiled MLP and Transformer ~1 point of their step
+        (benchmarks/RESULTS.md, fifteenth session); that stays the path of a torch without
+        ``torch.cond`` in hooks, and of a model whose KV cache is on: ``torch.cond`` in a frame
+        that builds a ``DynamicCache`` fails ``fullgraph=True`` on a tiny GPT-2 (dynamo loses an
+        attribute the cache set, as with the tensor hook: ``follow_cache_config``)."""
+        dtype = self.output_stats.dtype
+        if every_step:
+            return registry.accumulate_all(local, dtype)
+        if not _compat.COND_IN_HOOKS or self.plan.grads_through_function:
+            return torch.where(self.sampled, registry.accumulate_all(local, dtype), 0.0)
+        width = self.output_stats.numel()
+        return torch.cond(self.plan.on_host, lambda t: registry.accumulate_all(t, dtype),
+                          lambda t: t.new_zeros(width, dtype=dtype), (local,))  # fmt: skip
 
     def _check_forward(self, out: torch.Tensor, plan: RecordingFlags) -> None:
         """Add the output's sum to the step's cell (eager): one op at a layer's first call of a step (a

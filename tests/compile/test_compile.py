@@ -156,8 +156,9 @@ def test_default_detail_records_sampled_steps_inside_compiled_code_and_nothing_o
     # Windows of 6: steps 0, 1 and 6, 7 sampled. Inside compiled code every step runs one graph;
     # unsampled steps compute no output-gradient statistic (a branch on the host's flag) and add
     # zeros: the infinite output gradients of unsampled step 3 must not reach steps 6 and 7, whose
-    # values equal the eager twin's. grad_norm is recorded at every step. "masked": the path of a
-    # torch without torch.cond in hooks (computed at every step, kept where the flag says).
+    # values equal the eager twin's. grad_norm is recorded at every step; the output statistics
+    # (act_rms, act_zero_fraction), like the output gradients', on sampled steps only. "masked":
+    # the path of a torch without torch.cond in hooks (computed at every step, kept where the flag says).
     import gradwatch._compat as compat
 
     monkeypatch.setattr(compat, "COND_IN_HOOKS", branch)
@@ -186,15 +187,54 @@ def test_default_detail_records_sampled_steps_inside_compiled_code_and_nothing_o
         for i, name in enumerate(LAYERS):
             assert first.grad_norm[t, i] == pytest.approx(expected[t][name]["grad_norm"], rel=1e-4), (t, name)
     assert np.isfinite(first.out_grad_norm[:2]).all() and np.isnan(first.out_grad_norm[2:]).all()
+    for stat in ("act_rms", "act_zero_fraction"):  # the output statistics: sampled steps only, too
+        assert np.isfinite(first.output_stats[stat][:2]).all() and np.isnan(first.output_stats[stat][2:]).all()
     assert w.steps == [6, 7] and w.sampled.all()
     for t in range(2):
         for i, name in enumerate(LAYERS):
             assert w.out_grad_norm[t, i] == pytest.approx(expected[6 + t][name]["out_grad_norm"], rel=1e-4), (t, name)
+            for stat in ("act_rms", "act_zero_fraction"):
+                assert w.output_stats[stat][t, i] == pytest.approx(expected[6 + t][name][stat], rel=1e-5, abs=1e-12)
         assert [w.layers[i] for i in w.step_orders[t][0]] == LAYERS
     for i, name in enumerate(LAYERS):
         assert (w.unit_alive[i] == (expected[6][name]["alive"] | expected[7][name]["alive"])).all(), name
     assert w.rows_seen[0] == 2 * 8
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("branch", [True, False], ids=["cond-branch", "masked"])
+def test_unsampled_steps_leave_nothing_in_the_output_statistics_of_the_next_sampled_step(branch, monkeypatch):
+    # One window of 6 sampled every 3rd step: slots 0, 1 and 3 sampled, 2 unsampled just before 3.
+    # Inside compiled code the output statistics of step 2 must add nothing (a branch not taken, or
+    # zeros kept): step 3's act_rms and act_zero_fraction equal the eager twin's own.
+    import gradwatch._compat as compat
+    from gradwatch import settings
+
+    monkeypatch.setattr(compat, "COND_IN_HOOKS", branch)
+    monkeypatch.setitem(settings.DETAILS, "standard", 3)
+    torch.manual_seed(0)
+    model = Net()
+    twin = copy.deepcopy(model)
+    monitor = GradMonitor(model, flush_every=6)
+    run = _compiled(model, "fullgraph")
+    retained = RetainedOutputs(twin, LAYERS)
+    expected = []
+    for x, y in _batches(6):
+        retained.clear()
+        for net in (run, twin):
+            nn.functional.cross_entropy(net(x), y).backward()
+        expected.append(_reference(twin, retained))
+        monitor.step()
+        model.zero_grad()
+        twin.zero_grad()
+    monitor.close()
+    w = monitor.last_window
+    assert list(w.sampled) == [True, True, False, True, False, False]
+    for stat in ("act_rms", "act_zero_fraction"):
+        for t in (0, 1, 3):
+            for i, name in enumerate(LAYERS):
+                assert w.output_stats[stat][t, i] == pytest.approx(expected[t][name][stat], rel=1e-5, abs=1e-12), (t, name)
+        assert np.isnan(w.output_stats[stat][[2, 4, 5]]).all()
 
 
 def test_inductor_compiled_values_equal_the_eager_twin():
