@@ -22,6 +22,19 @@ from .host_cells import HostCells
 _set_grad_enabled = torch._C._set_grad_enabled  # traceable, and cheaper than detach() per call
 
 
+def on_sampled_steps(plan: Any, sampled: torch.Tensor, compute: Callable[[torch.Tensor], tuple],
+                     zeros: Callable[[torch.Tensor], tuple], operand: torch.Tensor, branch: bool) -> tuple:
+    """Inside compiled code: ``compute(operand)`` on sampled steps, ``zeros(operand)`` (the same
+    shapes) on the others, as a tuple of tensors. ``branch``: in a branch the graph takes at run time
+    on the host's flag (``torch.cond`` on ``plan.on_host``, a CPU tensor: reading it never waits for
+    the device), so unsampled steps pay nothing; otherwise (where ``torch.cond`` cannot be traced)
+    computed at every step and kept where the device's flag ``sampled`` says so (a non-finite value
+    of an unsampled step cannot leak: ``where`` selects, it does not multiply)."""
+    if branch:
+        return tuple(torch.cond(plan.on_host, compute, zeros, (operand,)))
+    return tuple(torch.where(sampled, value, 0.0) for value in compute(operand))
+
+
 class GradTap:
     """What one layer records of its output gradients.
 
@@ -95,14 +108,10 @@ class GradTap:
         ``torch.cond`` may not write its inputs)."""
         count, stats = self.sampled_count, self.grad_stats
         self.calls.add_(count)
-        if _compat.in_compiled_autograd() or not _compat.COND_IN_HOOKS:
-            # Compiled autograd traces this hook into its own graph, where torch.cond fails (and a
-            # torch before 2.13 is untested with it): computed at every step, kept where this
-            # device's flag says so (a non-finite value cannot leak).
-            sq, evidence = stats.deltas(g)
-            sq, evidence = torch.where(self.sampled, sq, 0.0), torch.where(self.sampled, evidence, 0.0)
-        else:
-            sq, evidence = torch.cond(self.plan.on_host, stats.deltas, stats.no_deltas, (g,))
+        # Compiled autograd traces this hook into its own graph, where torch.cond fails (and a
+        # torch before 2.13 is untested with it): there the statistics are masked.
+        branch = _compat.COND_IN_HOOKS and not _compat.in_compiled_autograd()
+        sq, evidence = on_sampled_steps(self.plan, self.sampled, stats.deltas, stats.no_deltas, g, branch)
         self.out_sq.add_(sq)
         if stats.judged(g):
             self.units.add_(evidence)

@@ -57,7 +57,7 @@ from .. import _compat, registry
 from .buffer import stat_dtype
 from .grad_passthrough import can_pass_through, pass_through
 from .grad_statistics import FLOAT32_SAFE_NORM, GradStatistics
-from .grad_tap import GradTap
+from .grad_tap import GradTap, on_sampled_steps
 from .host_cells import ClockScale, HostCells
 from .layers import LayerSpec, grad_tensors
 from ..distributed.sharding import local_tensor
@@ -471,11 +471,11 @@ class OutputTap:
         dtype = self.output_stats.dtype
         if every_step:
             return registry.accumulate_all(local, dtype)
-        if not _compat.COND_IN_HOOKS or self.plan.grads_through_function:
-            return torch.where(self.sampled, registry.accumulate_all(local, dtype), 0.0)
         width = self.output_stats.numel()
-        return torch.cond(self.plan.on_host, lambda t: registry.accumulate_all(t, dtype),
-                          lambda t: t.new_zeros(width, dtype=dtype), (local,))  # fmt: skip
+        branch = _compat.COND_IN_HOOKS and not self.plan.grads_through_function
+        (values,) = on_sampled_steps(self.plan, self.sampled, lambda t: (registry.accumulate_all(t, dtype),),
+                                     lambda t: (t.new_zeros(width, dtype=dtype),), local, branch)  # fmt: skip
+        return values
 
     def _check_forward(self, out: torch.Tensor, plan: RecordingFlags) -> None:
         """Add the output's sum to the step's cell (eager): one op at a layer's first call of a step (a
