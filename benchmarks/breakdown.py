@@ -51,7 +51,7 @@ class WithoutOutputGradReductions(_GradWatch50):
     def __init__(self, model, workload, device):
         super().__init__(model, workload, device)
         for tap in self.monitor._recorder.cells.taps:
-            tap.grad_tap._record = lambda grad: None
+            tap.grad_tap._record = lambda grad, shared: None
 
 
 def in_context_costs(workload, steps: int = 120, clock=time.perf_counter) -> dict[str, float]:

@@ -68,9 +68,10 @@ class GradStatistics:
             return g.shape[0]
         return g.numel() // g.shape[-1] if ndim >= 2 else 1
 
-    def deltas(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a sampled step adds to (sum of squares [1], per-unit evidence [units or 0]), in the cells' dtype."""
-        sq, evidence, _ = self.of(g)
+    def deltas(self, g: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a sampled step adds to (sum of squares [1], per-unit evidence [units or 0]), in the
+        cells' dtype; ``weights``: the projection weights (as in :meth:`of`)."""
+        sq, evidence, _ = self.of(g, weights)
         units = evidence.square().to(self.dtype) if evidence is not None else g.new_zeros(0, dtype=self.dtype)
         return sq.to(self.dtype).reshape(1), units
 
@@ -78,9 +79,12 @@ class GradStatistics:
         """What an unsampled step adds: zeros of the shapes of :meth:`deltas`."""
         return g.new_zeros(1, dtype=self.dtype), g.new_zeros(self.units if self.judged(g) else 0, dtype=self.dtype)
 
-    def of(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    def of(self, g: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """(sum of squares, per-unit evidence or None, the samples behind it) of one output gradient:
         the form compiled code takes (:meth:`deltas`; eager taps write the same into their cells, :meth:`record`).
+        ``weights``: the device's projection weights, handed in by compiled code (which reaches them
+        through the tap's shared state, not through this object: ``capture/cells.py``); the same
+        tensor as ``self.weights``, which eager code reads.
 
         The sum of squares is exact at any magnitude: norms of rows accumulated in float64 (on the
         CPU a float64 reduction over rows costs a third of one over the whole tensor), then their
@@ -109,7 +113,7 @@ class GradStatistics:
         # Projection on fixed positive weights (one matrix-vector product): zero for a unit
         # whose gradient is zero for every row, and (but for an exact cancellation against
         # random weights) not otherwise. Squared when added, so that calls never cancel.
-        weights = self.weights[:n] if n <= self.weights.shape[0] else generated_weights(n, rows.device)
+        weights = weights[:n] if n <= weights.shape[0] else generated_weights(n, rows.device)
         if weights.dtype != rows.dtype:
             weights = weights.to(rows.dtype)
         return sq, torch.mv(rows.t(), weights), float(n)

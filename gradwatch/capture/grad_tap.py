@@ -22,68 +22,71 @@ from .host_cells import HostCells
 _set_grad_enabled = torch._C._set_grad_enabled  # traceable, and cheaper than detach() per call
 
 
-def on_sampled_steps(plan: Any, sampled: torch.Tensor, compute: Callable[[torch.Tensor], tuple],
-                     zeros: Callable[[torch.Tensor], tuple], operand: torch.Tensor, branch: bool) -> tuple:
+def on_sampled_steps(shared: Any, compute: Callable[[torch.Tensor], tuple], zeros: Callable[[torch.Tensor], tuple],
+                     operand: torch.Tensor, branch: bool) -> tuple:
     """Inside compiled code: ``compute(operand)`` on sampled steps, ``zeros(operand)`` (the same
-    shapes) on the others, as a tuple of tensors. ``branch``: in a branch the graph takes at run time
-    on the host's flag (``torch.cond`` on ``plan.on_host``, a CPU tensor: reading it never waits for
-    the device), so unsampled steps pay nothing; otherwise (where ``torch.cond`` cannot be traced)
-    computed at every step and kept where the device's flag ``sampled`` says so (a non-finite value
-    of an unsampled step cannot leak: ``where`` selects, it does not multiply)."""
+    shapes) on the others, as a tuple of tensors. ``shared``: the device's ``cells.DeviceTapState``.
+    ``branch``: in a branch the graph takes at run time on the host's flag (``torch.cond`` on
+    ``shared.plan.on_host``, a CPU tensor: reading it never waits for the device), so unsampled
+    steps pay nothing; otherwise (where ``torch.cond`` cannot be traced) computed at every step and
+    kept where the device's flag ``shared.sampled`` says so (a non-finite value of an unsampled step
+    cannot leak: ``where`` selects, it does not multiply)."""
     if branch:
-        return tuple(torch.cond(plan.on_host, compute, zeros, (operand,)))
-    return tuple(torch.where(sampled, value, 0.0) for value in compute(operand))
+        return tuple(torch.cond(shared.plan.on_host, compute, zeros, (operand,)))
+    return tuple(torch.where(shared.sampled, value, 0.0) for value in compute(operand))
 
 
 class GradTap:
     """What one layer records of its output gradients.
 
+    Its hook (:meth:`on_output_grad`) is handed the device's shared state (``cells.DeviceTapState``:
+    the recording flags, the sampling flag, the projection weights) by the layer's ``OutputTap``
+    rather than holding it: compiled code then reaches that state by one path (``cells.py``).
+
     Args:
-        plan: the ``taps.RecordingFlags`` every tap shares (the step count, the host's sampling flag).
         grad_stats: what one output gradient contributes.
         host: the host counts; ``index``: this layer's place in them.
-        out_sq, calls, samples: the layer's (1,) backward cells; ``units``: its dead-unit evidence cell.
-        sampled, sampled_count: the device's sampling flag, as bool and as 0/1 (compiled code).
+        grad_cells: the layer's (3,) backward cells: sum of squares, calls, samples (what compiled
+            code reads, sliced at offsets equal across layers); ``units``: its dead-unit evidence cell.
         failed: called with an exception raised inside the hook (reported at step()).
     """
 
-    def __init__(self, plan: Any, grad_stats: GradStatistics, *, host: HostCells, index: int, out_sq: torch.Tensor,
-                 calls: torch.Tensor, samples: torch.Tensor, units: torch.Tensor, sampled: torch.Tensor,
-                 sampled_count: torch.Tensor, failed: Callable[[BaseException], None]) -> None:  # fmt: skip
-        self.plan, self.grad_stats = plan, grad_stats
+    def __init__(self, grad_stats: GradStatistics, *, host: HostCells, index: int, grad_cells: torch.Tensor,
+                 units: torch.Tensor, failed: Callable[[BaseException], None]) -> None:  # fmt: skip
+        self.grad_stats = grad_stats
         self.host, self.index = host, index
-        self.out_sq, self.calls, self.samples, self.units = out_sq, calls, samples, units
+        self.grad_cells, self.units = grad_cells, units
         # The same cells as the one-op writes' shapes (eager): the sum of squares 0-d, the units a row.
-        self.step_sq = out_sq.data.view(())
+        self.step_sq = grad_cells.data[0:1].view(())
         self.unit_row = units.data.view(1, units.numel())
-        self.sampled, self.sampled_count = sampled, sampled_count
         self.failed = failed
         self.grad_at = -1  # plan.step of this layer's latest output gradient (eager)
 
 
-    def on_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """Tensor hook on the output: sum of squares (float64), calls and dead-unit evidence."""
+    def on_output_grad(self, grad: torch.Tensor, shared: Any) -> torch.Tensor:
+        """Tensor hook on the output: sum of squares (float64), calls and dead-unit evidence.
+        ``shared``: the device's ``cells.DeviceTapState``."""
         grad_mode = torch.is_grad_enabled()  # on only in a backward with create_graph=True
         _set_grad_enabled(False)
         try:
-            self._record(local_tensor(grad))
+            self._record(local_tensor(grad), shared)
         except Exception as exc:  # never break training: reported at step() (nothing raises when traced)
             self.failed(exc)
         finally:
             _set_grad_enabled(grad_mode)
         return grad
 
-    def _record(self, g: torch.Tensor) -> None:
+    def _record(self, g: torch.Tensor, shared: Any) -> None:
         """Fold one output gradient into the step's cells (eager hooks run on sampled steps only):
         its statistics written into the cells at the step's first gradient, added after it; the
         calls and samples counted on the host."""
         if torch.compiler.is_compiling():
-            if self.plan.every_step:
-                self._record_every_step(g)
+            if shared.plan.every_step:
+                self._record_every_step(g, shared.weights)
             else:
-                self._record_traced(g)
+                self._record_traced(g, shared)
             return
-        step = self.plan.step
+        step = shared.plan.step
         first = self.grad_at != step
         self.grad_at = step
         samples = self.grad_stats.record(g, self.step_sq, self.unit_row, first)
@@ -91,28 +94,29 @@ class GradTap:
         host.add(host.calls, i, 1.0)
         host.add(host.samples, i, samples)
 
-    def _record_every_step(self, g: torch.Tensor) -> None:
+    def _record_every_step(self, g: torch.Tensor, weights: torch.Tensor) -> None:
         """``_record`` inside compiled code with ``detail="full"``: every step is sampled, the
         counts are device cells (compiled code runs no host code per call)."""
-        sq, evidence, samples = self.grad_stats.of(g)
-        self.calls.add_(1.0)
-        self.out_sq.add_(sq)
+        sq, evidence, samples = self.grad_stats.of(g, weights)
+        cells = self.grad_cells  # [sum of squares, calls, samples]
+        cells[1:2].add_(1.0)
+        cells[0:1].add_(sq)
         if evidence is not None:
             self.units.addcmul_(evidence, evidence)
-            self.samples.add_(samples)
+            cells[2:3].add_(samples)
 
-    def _record_traced(self, g: torch.Tensor) -> None:
+    def _record_traced(self, g: torch.Tensor, shared: Any) -> None:
         """``_record`` inside compiled code: the statistics are computed on sampled steps only,
         by a branch the graph takes at run time on the host's flag (``torch.cond``; a CPU tensor, so
         reading it never waits for the device), and added to the cells as deltas (a branch of
         ``torch.cond`` may not write its inputs)."""
-        count, stats = self.sampled_count, self.grad_stats
-        self.calls.add_(count)
+        count, stats, cells, weights = shared.sampled_count, self.grad_stats, self.grad_cells, shared.weights
+        cells[1:2].add_(count)
         # Compiled autograd traces this hook into its own graph, where torch.cond fails (and a
         # torch before 2.13 is untested with it): there the statistics are masked.
         branch = _compat.COND_IN_HOOKS and not _compat.in_compiled_autograd()
-        sq, evidence = on_sampled_steps(self.plan, self.sampled, stats.deltas, stats.no_deltas, g, branch)
-        self.out_sq.add_(sq)
+        sq, evidence = on_sampled_steps(shared, lambda t: stats.deltas(t, weights), stats.no_deltas, g, branch)
+        cells[0:1].add_(sq)
         if stats.judged(g):
             self.units.add_(evidence)
-            self.samples.add_(count * stats.samples(g))
+            cells[2:3].add_(count * stats.samples(g))

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .taps import Cells, DeviceCells
+from .cells import Cells, DeviceCells
 from .host_cells import HostCellMoves
 from ..flush.decode import build_window
 from .devices import host_to_device, index_tensor
@@ -296,13 +296,13 @@ class _CellMoves:
         self.whole = k == len(layout.names)  # the usual case: every layer on the buffer's device
         self.sums = cells.sums
         self.first_calls = cells.first_calls
-        self.out_grad = cells.backward[: 3 * k].view(3, k)
-        self.out_sq = cells.backward[:k]
-        self.units = cells.backward[3 * k :]
+        self.out_grad = cells.grad_counts  # [3 x k]: sums of squares, calls, samples
+        self.out_sq = self.out_grad[0]
+        self.units = cells.units
         self.fwd_rows = [buffer.row(FWD_SUM, t) for t in range(flush_every)]
         self.order_rows = [buffer.row(FWD_ORDER, t) for t in range(flush_every)]
         stats = accumulator_count()
-        self.stats = cells.outputs.view(k, stats) if stats else None
+        self.stats = cells.outputs if stats else None
         self.stats_rows = [buffer.row(OUT_STATS, t) for t in range(flush_every)] if stats else []
         self.out_rows = [buffer.row(OUT_GRAD, t) for t in range(flush_every)]
         self.to_buffer = buffer.device

@@ -2,11 +2,11 @@
 
 Every module gradwatch watches gets one ``OutputTap``, registered as its forward hook.
 The tap and the tensor hook it puts on the module's output (``grad_tap.py``) do nothing but
-tensor ops into *cells*: small tensors declared when the monitor attaches, one per layer and
-statistic, that accumulate the current step; eager taps also count what they know without a
-tensor (calls, samples, elements, their forward order) in numpy (``host_cells.py``), which
-compiled code never touches. ``Recorder.record_step`` copies them into
-the step's row of the buffer and zeroes what a step accumulates. There is no logging, no
+tensor ops into *cells*: small tensors declared when the monitor attaches (``cells.py``), rows
+per layer and kind, that accumulate the current step; eager taps also count what they know
+without a tensor (calls, samples, elements, their forward order) in numpy (``host_cells.py``),
+which compiled code never touches. ``Recorder.record_step`` copies them into the step's row of
+the buffer and zeroes what a step accumulates. There is no logging, no
 host read, no Python container that grows, and no branch on strides in a tap, so the same
 code runs eagerly and inside ``torch.compile(fullgraph=True)`` (whole model or regional),
 and gives the same values in both.
@@ -27,7 +27,12 @@ What dynamo needs, each measured on torch 2.13 (tests/test_compile.py keeps them
   backward cells are per layer and the forward cells are never saved. A plain view
   (``t[i]``, ``t.detach()``) would share the counter, and views of one base also fail
   fake-tensor conversion.
-- Cells have shape ``(1,)``: a captured 0-d tensor mutated in compiled code loses the write.
+- Cells have shape ``(1,)`` at least: a captured 0-d tensor mutated in compiled code loses the write.
+- A tap holds one row of cells per kind (forward, backward, its forward sum, its dead-unit
+  evidence) and reaches what the taps of its device share through one attribute (``shared``);
+  its output-gradient hook is a method of the tap, so compiled code reaches that state by the
+  same path (``cells.py`` says why: every tensor read is a guard and a graph input, every object
+  reached by two paths a guard evaluated in Python).
 - Per-layer facts a tap reads are tensors or values equal across layers of the same
   shape: an int constant that differs per layer (an offset, an index) makes every
   block of a regionally compiled model a new graph, and ``fullgraph=True`` then fails
@@ -47,24 +52,19 @@ What dynamo needs, each measured on torch 2.13 (tests/test_compile.py keeps them
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from .. import _compat, registry
-from .buffer import stat_dtype
+from .cells import DeviceTapState
 from .grad_passthrough import can_pass_through, pass_through
-from .grad_statistics import FLOAT32_SAFE_NORM, GradStatistics
+from .grad_statistics import GradStatistics
 from .grad_tap import GradTap, on_sampled_steps
-from .host_cells import ClockScale, HostCells
+from .host_cells import HostCells
 from .layers import LayerSpec, grad_tensors
 from ..distributed.sharding import local_tensor
 
-#: Projection weights are drawn once for up to this many rows (64 KiB); longer gradients
-#: generate theirs (four more ops, on sampled steps only).
-_PROJECTION_ROWS = 1 << 14
 _set_grad_enabled = torch._C._set_grad_enabled  # traceable, and cheaper than detach() per call
 
 
@@ -137,150 +137,6 @@ class RecordingFlags:
             self.grads_through_function = any(getattr(c, "use_cache", False) for c in self.cache_configs)
 
 
-def _alias(storage: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Cells ``storage[start:stop]`` as a tensor of its own version counter (see the module docstring)."""
-    return storage.data[start:stop].data
-
-
-@dataclass
-class DeviceCells:
-    """The flat accumulators of the layers on one device, and where each layer's cells are."""
-
-    device: torch.device
-    layers: np.ndarray  # global layer indices held here, in order
-    #: [n] float32: the sum of each layer's outputs at this step (the forward check), zeroed at every step
-    sums: torch.Tensor
-    first_calls: torch.Tensor  # [n] first-call clock value of the step, in the stat dtype
-    backward: torch.Tensor  # [sum of squares (n) | calls (n) | samples (n) | per-unit evidence (units)]
-    clock: torch.Tensor  # [1], counts down at each sampled forward call
-    sampled: torch.Tensor  # [1] bool: whether this step is sampled, as compiled taps read it
-    sampled_count: torch.Tensor  # [1] the same as 1.0 or 0.0, in the stat dtype
-    #: [n x K] the declared output statistics' accumulators of the step (registry/outputs.py), sampled steps
-    outputs: torch.Tensor
-    weights: torch.Tensor  # [_PROJECTION_ROWS] positive projection weights in [1, 2)
-    clock_scale: ClockScale  # where the clock starts and how far a compiled call counts it down
-
-    @property
-    def n(self) -> int:
-        return len(self.layers)
-
-    @classmethod
-    def declare(cls, device: torch.device, members: list[int], units: int) -> "DeviceCells":
-        """Zeroed cells on ``device`` for the layers ``members`` (global indices) with ``units`` units in all."""
-        n, dtype = len(members), stat_dtype(device)
-        scale = ClockScale(dtype)
-        generator = torch.Generator().manual_seed(20261129)
-        return cls(
-            device=device,
-            layers=np.array(members, dtype=np.int64),
-            sums=torch.zeros(n, dtype=torch.float32, device=device),
-            first_calls=torch.zeros(n, dtype=dtype, device=device),
-            backward=torch.zeros(3 * n + units, dtype=dtype, device=device),
-            clock=torch.full((1,), scale.start, dtype=dtype, device=device),
-            sampled=torch.ones(1, dtype=torch.bool, device=device),
-            sampled_count=torch.ones(1, dtype=dtype, device=device),
-            outputs=torch.zeros(n * registry.accumulator_count(), dtype=dtype, device=device),
-            weights=torch.rand(_PROJECTION_ROWS, generator=generator).add_(1.0).to(device),
-            clock_scale=scale,
-        )
-
-    def reset_step(self) -> None:
-        """Zero what a sampled step accumulates: the backward cells and the forward clock (the
-        taps write them on sampled steps only). The forward sums are zeroed at every step, by
-        the copy that moves them into the step's row (``Recorder``)."""
-        self.backward.zero_()
-        self.first_calls.zero_()
-        self.outputs.zero_()
-        self.clock.fill_(self.clock_scale.start)
-
-    def reset_window(self) -> None:
-        """Zero every cell (a new window, or calls no step() will claim)."""
-        self.sums.zero_()
-        self.first_calls.zero_()
-        self.backward.zero_()
-        self.outputs.zero_()
-        self.clock.fill_(self.clock_scale.start)
-
-
-class Cells:
-    """Every layer's accumulators, grouped by the device its parameters are on."""
-
-    def __init__(self, layers: list[LayerSpec], unit_count: np.ndarray) -> None:
-        self.n_layers = len(layers)
-        self.unit_count = unit_count
-        by_device: dict[torch.device, list[int]] = {}
-        for i, layer in enumerate(layers):
-            by_device.setdefault(layer.params[0].device, []).append(i)
-        self.devices: list[DeviceCells] = []
-        self.taps: list[OutputTap] = []
-        self.plan = RecordingFlags()
-        #: what eager taps count on the host (``host_cells.py``)
-        self.host = HostCells(self.n_layers, ClockScale(torch.float64).tick)
-        per_layer: dict[int, tuple[DeviceCells, int, int]] = {}
-        for device, members in by_device.items():
-            n = len(members)
-            units = [int(unit_count[i]) for i in members]
-            cells = DeviceCells.declare(device, members, sum(units))
-            self.devices.append(cells)
-            self.plan.device_flags.append((cells.sampled, cells.sampled_count))
-            offset = 3 * n
-            for k, i in enumerate(members):
-                per_layer[i] = (cells, k, offset)
-                offset += units[k]
-        stats = registry.accumulator_count()
-        for i, layer in enumerate(layers):
-            cells, k, offset = per_layer[i]
-            n = cells.n
-            self.taps.append(
-                OutputTap(
-                    layer,
-                    self.plan,
-                    host=self.host,
-                    index=i,
-                    clock_scale=cells.clock_scale,
-                    forward_sum=_alias(cells.sums, k, k + 1),
-                    first_call=_alias(cells.first_calls, k, k + 1),
-                    clock=cells.clock,
-                    sampled=cells.sampled,
-                    sampled_count=cells.sampled_count,
-                    out_sq=_alias(cells.backward, k, k + 1),
-                    calls=_alias(cells.backward, n + k, n + k + 1),
-                    samples=_alias(cells.backward, 2 * n + k, 2 * n + k + 1),
-                    units=_alias(cells.backward, offset, offset + int(unit_count[i])),
-                    weights=cells.weights,
-                    output_stats=_alias(cells.outputs, k * stats + 1, (k + 1) * stats) if stats else None,
-                    output_elements=_alias(cells.outputs, k * stats, k * stats + 1) if stats else None,
-                )
-            )
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the cells and projection weights on the devices."""
-        return sum(
-            t.numel() * t.element_size()
-            for cells in self.devices
-            for t in (cells.sums, cells.first_calls, cells.backward, cells.clock, cells.weights, cells.outputs,
-                      cells.sampled, cells.sampled_count)
-        )
-
-    def follow_output_magnitudes(self, act_rms: dict[str, np.ndarray], out_grad_norm: dict[str, np.ndarray]) -> None:
-        """At a flush, for the next window's eager taps: each layer's output statistics in float32
-        where its act_rms of the window (``act_rms[name]``, over the steps) allows it
-        (``registry.outputs.float32_is_exact``), else float64; a layer not in ``act_rms``: float64.
-        The same for its output-gradient statistics on the CPU by ``out_grad_norm[name]``
-        (``grad_statistics.FLOAT32_SAFE_NORM``); empty: float64 for every layer."""
-        for tap in self.taps:
-            values = act_rms.get(tap.name)
-            tap.exact_outputs = values is None or not registry.outputs.float32_is_exact(values)
-            norms = out_grad_norm.get(tap.name)
-            tap.grad_stats.float32 = norms is not None and registry.outputs.float32_is_exact(norms, FLOAT32_SAFE_NORM)
-
-    def set_unit_sums(self, enabled: bool) -> None:
-        """Per-unit sums of squares (for dead_eps > 0) instead of the random projection."""
-        for tap in self.taps:
-            tap.grad_stats.unit_sums = enabled
-
-
 class OutputTap:
     """Forward hook of one layer: the forward non-finite check at every step, and on sampled
     steps the forward order and a tensor hook on the output for its gradient's statistics.
@@ -289,36 +145,36 @@ class OutputTap:
     value that is the same for every layer of the same shape (see the module docstring).
     """
 
-    def __init__(self, layer: LayerSpec, plan: RecordingFlags, *, host: HostCells, index: int,
-                 clock_scale: ClockScale, forward_sum: torch.Tensor, first_call: torch.Tensor, clock: torch.Tensor,
-                 sampled: torch.Tensor, sampled_count: torch.Tensor, out_sq: torch.Tensor, calls: torch.Tensor,
-                 samples: torch.Tensor, units: torch.Tensor, weights: torch.Tensor,
-                 output_stats: torch.Tensor | None = None,
-                 output_elements: torch.Tensor | None = None) -> None:  # fmt: skip
-        self.plan = plan
+    def __init__(self, layer: LayerSpec, shared: DeviceTapState, *, host: HostCells, index: int,
+                 forward_sum: torch.Tensor, forward_cells: torch.Tensor, grad_cells: torch.Tensor,
+                 units: torch.Tensor) -> None:  # fmt: skip
+        #: the recording flags, clock, sampling flag and projection weights of the layer's device: the
+        #: one path by which compiled code reaches them (``cells.py``: an object reached by two
+        #: paths costs a guard evaluated in Python at every call)
+        self.shared = shared
         self.name = layer.name  # read on the failure path only
         #: what each output gradient contributes (sum of squares, dead-unit evidence)
-        self.grad_stats = GradStatistics(layer.units, layer.channel_first, weights, out_sq.dtype)
-        #: what the layer records of its output gradients
-        self.grad_tap = GradTap(plan, self.grad_stats, host=host, index=index, out_sq=out_sq, calls=calls,
-                                samples=samples, units=units, sampled=sampled, sampled_count=sampled_count,
+        self.grad_stats = GradStatistics(layer.units, layer.channel_first, shared.weights, grad_cells.dtype)
+        #: what the layer records of its output gradients (``on_output_grad`` hands it the shared state)
+        self.grad_tap = GradTap(self.grad_stats, host=host, index=index, grad_cells=grad_cells, units=units,
                                 failed=self.failed)  # fmt: skip
-        #: the tensor hook on the output (sampled steps; every step inside compiled code)
-        self.on_output_grad = self.grad_tap.on_output_grad
         #: eager taps count output elements and their place in the forward on the host
         self.host, self.index = host, index
-        #: how far a compiled call counts the clock down; eager taps order themselves on the host (True)
-        #: or count it down too (float32 cells: ``host_cells.ClockScale``)
-        self.clock_tick, self.host_order = clock_scale.tick, clock_scale.host_order
         self.forward_sum = forward_sum
         # The same cell as a 0-d tensor: the out= of a one-op sum (eager; see _check_forward).
         self.step_sum = forward_sum.data.view(())
         # plan.step at this tap's latest forward check, forward order and output statistics (eager)
         self.checked_at = self.ordered_at = self.stats_at = -1
-        self.first_call, self.clock = first_call, clock
-        self.sampled, self.sampled_count = sampled, sampled_count
-        self.output_stats = output_stats  # None: no output statistic is declared
-        self.output_elements = output_elements
+        #: [first call | output elements | output statistics]: what compiled code reads, sliced at
+        #: offsets equal across layers (one tensor guard, see ``cells.py``)
+        self.forward_cells = forward_cells
+        #: whether any output statistic is declared (a Python value: compiled code reads no tensor for it)
+        self.records_outputs = forward_cells.numel() > 1
+        # Views made once for eager taps (slicing is an op per call): the first-call clock value, the
+        # output elements and statistics (None: no output statistic is declared).
+        self.first_call = forward_cells[0:1]
+        self.output_elements = forward_cells[1:2] if self.records_outputs else None
+        self.output_stats = forward_cells[2:] if self.records_outputs else None
         #: eager: reduce the output statistics in float64 (False: the last window's outputs allow
         #: float32, ``registry.outputs.float32_is_exact``); compiled code always does (fused casts)
         self.exact_outputs = True
@@ -327,6 +183,17 @@ class OutputTap:
         self.failure: BaseException | None = None  # the latest failure inside this tap, until step()
         #: compiled code with the KV cache on met an output it cannot hand through the gradient tap
         self.grad_left_out = False
+
+    @property
+    def plan(self) -> RecordingFlags:
+        """The monitor's recording flags (``shared.plan``; compiled code reads them through ``shared``)."""
+        return self.shared.plan
+
+    def on_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The tensor hook on the layer's output: its gradient's statistics (``grad_tap.py``);
+        returns ``grad`` unchanged. A method of the tap, not of the gradient tap, so that compiled
+        code reaches the shared state by the forward hook's own path."""
+        return self.grad_tap.on_output_grad(grad, self.shared)
 
     # ----------------------------------------------------------------- forward
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
@@ -359,20 +226,22 @@ class OutputTap:
         """Forward order (eager): at the layer's first call of the step, the device clock (which
         compiled calls count down) and the host's place among the eager calls since the last compiled
         one (``host_cells.py``); one op. Float32 cells: the clock alone, counted down by every call."""
-        if not self.host_order:
-            self._advance_clock()
+        shared = self.shared
+        if not shared.host_order:
+            self._advance_clock(self.first_call)
             return
-        step = self.plan.step
+        step = shared.plan.step
         if self.ordered_at != step:
             self.ordered_at = step
-            self.first_call.clamp_min_(self.clock)
+            self.first_call.clamp_min_(shared.clock)
             self.host.order[self.index] = self.host.next_order()
 
-    def _advance_clock(self) -> None:
+    def _advance_clock(self, first_call: torch.Tensor) -> None:
         """Forward order on the device alone (compiled code with ``detail="full"``, float32 cells): the
-        clock counts down, so a layer's first call keeps the largest value."""
-        self.first_call.clamp_min_(self.clock)
-        self.clock.sub_(self.clock_tick)
+        clock counts down, so a layer's first call (``first_call``, its cell) keeps the largest value."""
+        shared = self.shared
+        first_call.clamp_min_(shared.clock)
+        shared.clock.sub_(shared.clock_tick)
 
     def _record_outputs(self, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
@@ -417,7 +286,7 @@ class OutputTap:
             if sampling:
                 if not _compat.in_backward():  # a recomputation inside backward is not forward order
                     self._mark_order()
-                if self.output_stats is not None:  # the declared output statistics (registry/outputs.py)
+                if self.records_outputs:  # the declared output statistics (registry/outputs.py)
                     self._record_output_stats(local_tensor(out), plan.step)
         finally:
             _set_grad_enabled(True)  # the tap runs only with grad enabled
@@ -441,24 +310,27 @@ class OutputTap:
         docstring); with ``detail="full"`` (a constant for the compiled code) every step keeps it.
         The forward check's sum fuses into the kernel that makes the output or reads it next."""
         local = local_tensor(out)
-        every_step = self.plan.every_step
+        shared = self.shared
+        every_step = shared.plan.every_step
+        cells = self.forward_cells  # [first call | output elements | output statistics]
         with torch.no_grad():
             self.forward_sum.add_(local.sum(dtype=torch.float32))
-            count = self.sampled_count
+            count = shared.sampled_count
             if every_step:
-                self._advance_clock()
+                self._advance_clock(cells[0:1])
             else:
                 # The clock is finite and non-negative, so a product keeps it or makes it 0, which
                 # the first-call cell (zeroed at sampled steps, never negative) ignores.
-                self.first_call.clamp_min_(self.clock * count)
-                self.clock.sub_(count * self.clock_tick)
-            if self.output_stats is not None:
-                self.output_stats.add_(self._traced_output_values(local, every_step))
-                self.output_elements.add_(local.numel() if every_step else count * local.numel())
-        if out.requires_grad and not self.plan.grads_through_function:
+                cells[0:1].clamp_min_(shared.clock * count)
+                shared.clock.sub_(count * shared.clock_tick)
+            if self.records_outputs:
+                cells[2:].add_(self._traced_output_values(local, cells.dtype, cells.numel() - 2, every_step))
+                cells[1:2].add_(local.numel() if every_step else count * local.numel())
+        if out.requires_grad and not shared.plan.grads_through_function:
             out.register_hook(self.on_output_grad)
 
-    def _traced_output_values(self, local: torch.Tensor, every_step: bool) -> torch.Tensor:
+    def _traced_output_values(self, local: torch.Tensor, dtype: torch.dtype, width: int,
+                              every_step: bool) -> torch.Tensor:
         """The output statistics' accumulators of one call inside compiled code: at every step with
         ``detail="full"``; otherwise computed on sampled steps only, in a branch the graph takes at
         run time on the host's flag (``torch.cond``, as the output-gradient tap does), and zeros on
@@ -467,13 +339,13 @@ class OutputTap:
         (benchmarks/RESULTS.md, fifteenth session); that stays the path of a torch without
         ``torch.cond`` in hooks, and of a model whose KV cache is on: ``torch.cond`` in a frame
         that builds a ``DynamicCache`` fails ``fullgraph=True`` on a tiny GPT-2 (dynamo loses an
-        attribute the cache set, as with the tensor hook: ``follow_cache_config``)."""
-        dtype = self.output_stats.dtype
+        attribute the cache set, as with the tensor hook: ``follow_cache_config``). ``dtype``,
+        ``width``: the accumulators' dtype and number."""
         if every_step:
             return registry.accumulate_all(local, dtype)
-        width = self.output_stats.numel()
-        branch = _compat.COND_IN_HOOKS and not self.plan.grads_through_function
-        (values,) = on_sampled_steps(self.plan, self.sampled, lambda t: (registry.accumulate_all(t, dtype),),
+        shared = self.shared
+        branch = _compat.COND_IN_HOOKS and not shared.plan.grads_through_function
+        (values,) = on_sampled_steps(shared, lambda t: (registry.accumulate_all(t, dtype),),
                                      lambda t: (t.new_zeros(width, dtype=dtype),), local, branch)  # fmt: skip
         return values
 

@@ -332,6 +332,37 @@ def test_graphs_do_not_grow_with_steps():
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
+def test_compiled_taps_add_four_inputs_per_layer_and_four_shared_ones():
+    # Every tensor a compiled tap reads is an input of the graph and a guard checked at every call
+    # (capture/cells.py): a layer's taps read its forward sum, its forward row, its backward row
+    # and its dead-unit evidence; the device's shared state adds the clock, the sampling flags and
+    # the projection weights once. Counted against the same model compiled without gradwatch.
+    def graph_inputs(monitored: bool) -> list[int]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+        monitor = GradMonitor(model, flush_every=4) if monitored else None
+        seen = []
+
+        def backend(gm, example_inputs):
+            seen.append(len(example_inputs))
+            return gm.forward
+
+        torch._dynamo.reset()
+        run = torch.compile(model, backend=backend, fullgraph=True)
+        for _ in range(3):  # sampled steps (slots 0, 1) and an unsampled one: the same graph
+            run(torch.randn(4, 8)).sum().backward()
+            if monitor is not None:
+                monitor.step()
+        if monitor is not None:
+            monitor.close()
+        return seen
+
+    baseline, monitored = graph_inputs(False), graph_inputs(True)
+    assert len(baseline) == len(monitored) == 1
+    layers = 3
+    assert monitored[0] - baseline[0] <= 4 * layers + 4, (baseline, monitored)  # was 8 per layer + 4
+
+
 def test_regional_blocks_share_their_graphs():
     # Every block of the same class runs the same compiled code: the taps' per-layer facts are
     # tensors, so the three blocks compile once, not once each (and sampled and unsampled steps

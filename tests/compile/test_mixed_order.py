@@ -12,7 +12,7 @@ from torch import nn
 
 from gradwatch import GradMonitor, HealthConfig
 from gradwatch.capture import buffer as buffer_module
-from gradwatch.capture import taps as taps_module
+from gradwatch.capture import cells as cells_module
 
 from .test_compile import Block
 
@@ -73,12 +73,12 @@ def test_float32_cells_keep_the_exact_order_eager(monkeypatch):
     # values: there eager taps count the clock down themselves. Here on the CPU, by making the
     # statistics dtype float32 as it is on MPS.
     monkeypatch.setattr(buffer_module, "stat_dtype", lambda device: torch.float32)
-    monkeypatch.setattr(taps_module, "stat_dtype", lambda device: torch.float32)
+    monkeypatch.setattr(cells_module, "stat_dtype", lambda device: torch.float32)
     torch.manual_seed(0)
     model = Mixed()
     monitor_dtype_check = GradMonitor(model, flush_every=2)
     assert monitor_dtype_check._recorder.buffer.dtype == torch.float32
-    assert not monitor_dtype_check._recorder.cells.taps[0].host_order
+    assert not monitor_dtype_check._recorder.cells.taps[0].shared.host_order
     monitor_dtype_check.close()
     for order in _orders(model, steps=2, detail="standard"):
         assert order == CALL_ORDER

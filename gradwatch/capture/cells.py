@@ -1,0 +1,227 @@
+"""The taps' cells: every layer's per-step accumulators, declared when the monitor attaches.
+
+One flat storage per kind and device (``DeviceCells``), so that ``Recorder.record_step`` reads
+and zeroes every layer's cells with a few ops whatever the number of layers; each tap holds
+aliases of its layer's part (``taps.OutputTap``). What every tap on a device shares (the
+recording flags, the forward clock, the sampling flag, the projection weights) is one object,
+``DeviceTapState``, that each tap reaches through one attribute.
+
+Why so few objects, measured on the compiled MLP (torch 2.13): dynamo checks a guard for every
+tensor a compiled tap reads at every call of the compiled code, and an object reached by two
+paths (``tap0.clock`` and ``tap1.clock``) costs an aliasing guard evaluated in Python (~2 us each).
+With ~8 cells per tap and the shared flags reached from every tap and its gradient tap, the
+compiled MLP checked 95 tensor guards and ~50 aliasing guards against its floor's 19 and none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from .. import registry
+from .buffer import stat_dtype
+from .grad_statistics import FLOAT32_SAFE_NORM
+from .host_cells import ClockScale, HostCells
+from .layers import LayerSpec
+
+if TYPE_CHECKING:  # taps.py imports this module
+    from .taps import RecordingFlags
+
+#: Projection weights are drawn once for up to this many rows (64 KiB); longer gradients
+#: generate theirs (four more ops, on sampled steps only).
+_PROJECTION_ROWS = 1 << 14
+
+
+def _alias(storage: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Cells ``storage[start:stop]`` as a tensor of its own version counter (see ``taps.py``)."""
+    return storage.data[start:stop].data
+
+
+class DeviceTapState:
+    """What every tap of the layers on one device reads besides its own cells, in one object.
+
+    Args:
+        plan: the monitor's ``taps.RecordingFlags``.
+        clock: [1] the forward order's clock, counted down at each sampled compiled call.
+        sampled: [1] bool, whether this step is sampled (what compiled taps read on the device).
+        sampled_count: [1] the same as 1.0 or 0.0, in the stat dtype.
+        weights: [_PROJECTION_ROWS] positive projection weights in [1, 2) (dead-unit evidence).
+        clock_scale: where the clock starts and how far a compiled call counts it down.
+    """
+
+    def __init__(self, plan: "RecordingFlags", clock: torch.Tensor, sampled: torch.Tensor,
+                 sampled_count: torch.Tensor, weights: torch.Tensor, clock_scale: ClockScale) -> None:  # fmt: skip
+        self.plan = plan
+        self.clock, self.sampled, self.sampled_count, self.weights = clock, sampled, sampled_count, weights
+        self.clock_scale = clock_scale
+        #: how far a compiled call counts the clock down; eager taps order themselves on the host
+        #: (``host_order``) or count it down too (float32 cells: ``host_cells.ClockScale``)
+        self.clock_tick, self.host_order = clock_scale.tick, clock_scale.host_order
+
+    @classmethod
+    def declare(cls, plan: "RecordingFlags", device: torch.device) -> "DeviceTapState":
+        """The state of a fresh step on ``device`` (sampled, the clock at its start)."""
+        dtype = stat_dtype(device)
+        scale = ClockScale(dtype)
+        generator = torch.Generator().manual_seed(20261129)
+        return cls(
+            plan,
+            clock=torch.full((1,), scale.start, dtype=dtype, device=device),
+            sampled=torch.ones(1, dtype=torch.bool, device=device),
+            sampled_count=torch.ones(1, dtype=dtype, device=device),
+            weights=torch.rand(_PROJECTION_ROWS, generator=generator).add_(1.0).to(device),
+            clock_scale=scale,
+        )
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.clock, self.sampled, self.sampled_count, self.weights
+
+
+@dataclass
+class DeviceCells:
+    """The flat accumulators of the layers on one device, and where each layer's cells are.
+
+    Each layer's cells of one kind are one contiguous row: a tap holds one alias per kind and
+    slices it at offsets equal across layers (see the module docstring for why).
+    """
+
+    device: torch.device
+    layers: np.ndarray  # global layer indices held here, in order
+    #: [n] float32: the sum of each layer's outputs at this step (the forward check), zeroed at every step
+    sums: torch.Tensor
+    #: [n x (1 + K)] per layer: its first-call clock value of the step, then the declared output
+    #: statistics' K accumulators (the output elements first; registry/outputs.py), in the stat dtype
+    forward: torch.Tensor
+    #: [n x 3 | units] per layer (sum of squares, calls, samples), then every layer's per-unit evidence
+    backward: torch.Tensor
+    #: the clock, the sampling flag and the projection weights every tap here reads
+    shared: DeviceTapState
+
+    @property
+    def n(self) -> int:
+        return len(self.layers)
+
+    @property
+    def first_calls(self) -> torch.Tensor:
+        """[n] each layer's first-call clock value of the step (a strided view)."""
+        return self.forward[:, 0]
+
+    @property
+    def outputs(self) -> torch.Tensor:
+        """[n x K] the declared output statistics' accumulators of the step (a strided view)."""
+        return self.forward[:, 1:]
+
+    @property
+    def grad_counts(self) -> torch.Tensor:
+        """[3 x n] the output gradients' sums of squares, calls and samples (a strided view)."""
+        return self.backward[: 3 * self.n].view(self.n, 3).t()
+
+    @property
+    def units(self) -> torch.Tensor:
+        """[units] every layer's per-unit evidence, in layer order."""
+        return self.backward[3 * self.n :]
+
+    @classmethod
+    def declare(cls, plan: "RecordingFlags", device: torch.device, members: list[int], units: int) -> "DeviceCells":
+        """Zeroed cells on ``device`` for the layers ``members`` (global indices) with ``units`` units in all."""
+        n, dtype = len(members), stat_dtype(device)
+        return cls(
+            device=device,
+            layers=np.array(members, dtype=np.int64),
+            sums=torch.zeros(n, dtype=torch.float32, device=device),
+            forward=torch.zeros(n, 1 + registry.accumulator_count(), dtype=dtype, device=device),
+            backward=torch.zeros(3 * n + units, dtype=dtype, device=device),
+            shared=DeviceTapState.declare(plan, device),
+        )
+
+    def reset_step(self) -> None:
+        """Zero what a sampled step accumulates: the backward cells and the forward clock (the
+        taps write them on sampled steps only). The forward sums are zeroed at every step, by
+        the copy that moves them into the step's row (``Recorder``)."""
+        self.backward.zero_()
+        self.forward.zero_()
+        self.shared.clock.fill_(self.shared.clock_scale.start)
+
+    def reset_window(self) -> None:
+        """Zero every cell (a new window, or calls no step() will claim)."""
+        self.sums.zero_()
+        self.reset_step()
+
+
+class Cells:
+    """Every layer's accumulators, grouped by the device its parameters are on, and the taps that
+    write them.
+
+    Args:
+        layers: the monitored layers.
+        unit_count: each layer's declared units (its dead-unit evidence's length).
+    """
+
+    def __init__(self, layers: list[LayerSpec], unit_count: np.ndarray) -> None:
+        from .taps import OutputTap, RecordingFlags
+
+        self.n_layers = len(layers)
+        self.unit_count = unit_count
+        by_device: dict[torch.device, list[int]] = {}
+        for i, layer in enumerate(layers):
+            by_device.setdefault(layer.params[0].device, []).append(i)
+        self.devices: list[DeviceCells] = []
+        self.taps: list[OutputTap] = []  # one per layer, in layer order
+        self.plan = RecordingFlags()
+        #: what eager taps count on the host (``host_cells.py``)
+        self.host = HostCells(self.n_layers, ClockScale(torch.float64).tick)
+        per_layer: dict[int, tuple[DeviceCells, int, int]] = {}
+        for device, members in by_device.items():
+            n = len(members)
+            units = [int(unit_count[i]) for i in members]
+            cells = DeviceCells.declare(self.plan, device, members, sum(units))
+            self.devices.append(cells)
+            self.plan.device_flags.append((cells.shared.sampled, cells.shared.sampled_count))
+            offset = 3 * n
+            for k, i in enumerate(members):
+                per_layer[i] = (cells, k, offset)
+                offset += units[k]
+        for i, layer in enumerate(layers):
+            cells, k, offset = per_layer[i]
+            self.taps.append(
+                OutputTap(
+                    layer,
+                    cells.shared,
+                    host=self.host,
+                    index=i,
+                    forward_sum=_alias(cells.sums, k, k + 1),
+                    forward_cells=cells.forward.data[k].data,
+                    grad_cells=_alias(cells.backward, 3 * k, 3 * k + 3),
+                    units=_alias(cells.backward, offset, offset + int(unit_count[i])),
+                )
+            )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cells and projection weights on the devices."""
+        return sum(
+            t.numel() * t.element_size()
+            for cells in self.devices
+            for t in (cells.sums, cells.forward, cells.backward, *cells.shared.tensors)
+        )
+
+    def follow_output_magnitudes(self, act_rms: dict[str, np.ndarray], out_grad_norm: dict[str, np.ndarray]) -> None:
+        """At a flush, for the next window's eager taps: each layer's output statistics in float32
+        where its act_rms of the window (``act_rms[name]``, over the steps) allows it
+        (``registry.outputs.float32_is_exact``), else float64; a layer not in ``act_rms``: float64.
+        The same for its output-gradient statistics on the CPU by ``out_grad_norm[name]``
+        (``grad_statistics.FLOAT32_SAFE_NORM``); empty: float64 for every layer."""
+        for tap in self.taps:
+            values = act_rms.get(tap.name)
+            tap.exact_outputs = values is None or not registry.outputs.float32_is_exact(values)
+            norms = out_grad_norm.get(tap.name)
+            tap.grad_stats.float32 = norms is not None and registry.outputs.float32_is_exact(norms, FLOAT32_SAFE_NORM)
+
+    def set_unit_sums(self, enabled: bool) -> None:
+        """Per-unit sums of squares (for dead_eps > 0) instead of the random projection."""
+        for tap in self.taps:
+            tap.grad_stats.unit_sums = enabled
