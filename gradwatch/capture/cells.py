@@ -162,7 +162,7 @@ class Cells:
     """
 
     def __init__(self, layers: list[LayerSpec], unit_count: np.ndarray) -> None:
-        from .taps import OutputTap, RecordingFlags
+        from .taps import OutputTap, RecordingFlags  # taps.py imports this module
 
         self.n_layers = len(layers)
         self.unit_count = unit_count

@@ -10,7 +10,7 @@ host's sampling flag (or at every step with ``detail="full"``).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -19,10 +19,13 @@ from ..distributed.sharding import local_tensor
 from .grad_statistics import GradStatistics
 from .host_cells import HostCells
 
+if TYPE_CHECKING:
+    from .cells import DeviceTapState
+
 _set_grad_enabled = torch._C._set_grad_enabled  # traceable, and cheaper than detach() per call
 
 
-def on_sampled_steps(shared: Any, compute: Callable[[torch.Tensor], tuple], zeros: Callable[[torch.Tensor], tuple],
+def on_sampled_steps(shared: "DeviceTapState", compute: Callable[[torch.Tensor], tuple], zeros: Callable[[torch.Tensor], tuple],
                      operand: torch.Tensor, branch: bool) -> tuple:
     """Inside compiled code: ``compute(operand)`` on sampled steps, ``zeros(operand)`` (the same
     shapes) on the others, as a tuple of tensors. ``shared``: the device's ``cells.DeviceTapState``.
@@ -63,7 +66,7 @@ class GradTap:
         self.grad_at = -1  # plan.step of this layer's latest output gradient (eager)
 
 
-    def on_output_grad(self, grad: torch.Tensor, shared: Any) -> torch.Tensor:
+    def on_output_grad(self, grad: torch.Tensor, shared: "DeviceTapState") -> torch.Tensor:
         """Tensor hook on the output: sum of squares (float64), calls and dead-unit evidence.
         ``shared``: the device's ``cells.DeviceTapState``."""
         grad_mode = torch.is_grad_enabled()  # on only in a backward with create_graph=True
@@ -76,7 +79,7 @@ class GradTap:
             _set_grad_enabled(grad_mode)
         return grad
 
-    def _record(self, g: torch.Tensor, shared: Any) -> None:
+    def _record(self, g: torch.Tensor, shared: "DeviceTapState") -> None:
         """Fold one output gradient into the step's cells (eager hooks run on sampled steps only):
         its statistics written into the cells at the step's first gradient, added after it; the
         calls and samples counted on the host."""
@@ -105,7 +108,7 @@ class GradTap:
             self.units.addcmul_(evidence, evidence)
             cells[2:3].add_(samples)
 
-    def _record_traced(self, g: torch.Tensor, shared: Any) -> None:
+    def _record_traced(self, g: torch.Tensor, shared: "DeviceTapState") -> None:
         """``_record`` inside compiled code: the statistics are computed on sampled steps only,
         by a branch the graph takes at run time on the host's flag (``torch.cond``; a CPU tensor, so
         reading it never waits for the device), and added to the cells as deltas (a branch of
