@@ -23,6 +23,7 @@ judgement with the model's column alone.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -173,7 +174,7 @@ class ExplodingRule:
     def judge_step(self, step: int, value: float, col: int, name: str) -> tuple[Finding | None, float]:
         """The per-step judgement of one column (the model's global norm): (the finding, None when
         calm; the step's jump, as in ``RowVerdict``, NaN for a non-finite value)."""
-        if not np.isfinite(value):
+        if not math.isfinite(value):
             self.judged[col] += 1
             return None, float("nan")  # a non-finite norm is the nonfinite check's
         calm_jump = self._calm_at_once(value, col)
@@ -193,21 +194,25 @@ class ExplodingRule:
         is calm; it enters the rings as ``judge_row`` would enter it. Returns its jump (as in
         ``RowVerdict``), or None when the full judgement must decide."""
         cfg = self.config
-        top = float(np.fmax.reduce(self.recent[:, col]))  # NaN: no calm value yet
-        previous = float(self.last_calm[col])
+        # Python floats and ints (one ``tolist`` per state), not numpy scalars: each numpy call costs
+        # microseconds here, right after backward (cold caches).
+        calm = [v for v in self.recent[:, col].tolist() if v == v]
+        top = max(calm) if calm else math.nan  # NaN: no calm value yet
+        previous = self.last_calm.item(col)
+        judged = self.judged.item(col)
         if value > cfg.exploding_abs_norm or (previous > 0 and value >= cfg.exploding_jump * previous):
             return None
-        if self.judged[col] >= cfg.exploding_warmup_steps and not value <= cfg.exploding_factor * top:
+        if judged >= cfg.exploding_warmup_steps and not value <= cfg.exploding_factor * top:
             return None  # a candidate for the relative ceiling (or no calm value to compare with)
-        slot = self.recent_slot[col]
+        slot = self.recent_slot.item(col)
         self.recent[slot, col] = value
         self.recent_slot[col] = (slot + 1) % RECENT_STEPS
-        slot = self.level_slot[col]
+        slot = self.level_slot.item(col)
         self.level[slot, col] = value
         self.level_slot[col] = (slot + 1) % LEVEL_STEPS
         self.last_calm[col] = value
         self.exploded_streak[col] = 0
-        self.judged[col] += 1
+        self.judged[col] = judged + 1
         if top != top:
             return float("nan")
         return value / top if top else (float("inf") if value else float("nan"))
