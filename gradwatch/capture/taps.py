@@ -170,10 +170,9 @@ class OutputTap:
         self.forward_cells = forward_cells
         #: whether any output statistic is declared (a Python value: compiled code reads no tensor for it)
         self.records_outputs = forward_cells.numel() > 1
-        # Views made once for eager taps (slicing is an op per call): the first-call clock value, the
-        # output elements and statistics (None: no output statistic is declared).
+        # Views made once for eager taps (slicing is an op per call): the first-call clock value and
+        # the output statistics (None: none is declared). Eager taps count the elements on the host.
         self.first_call = forward_cells[0:1]
-        self.output_elements = forward_cells[1:2] if self.records_outputs else None
         self.output_stats = forward_cells[2:] if self.records_outputs else None
         #: eager: reduce the output statistics in float64 (False: the last window's outputs allow
         #: float32, ``registry.outputs.float32_is_exact``); compiled code always does (fused casts)
@@ -324,13 +323,12 @@ class OutputTap:
                 cells[0:1].clamp_min_(shared.clock * count)
                 shared.clock.sub_(count * shared.clock_tick)
             if self.records_outputs:
-                cells[2:].add_(self._traced_output_values(local, cells.dtype, cells.numel() - 2, every_step))
+                cells[2:].add_(self._traced_output_values(local, every_step))
                 cells[1:2].add_(local.numel() if every_step else count * local.numel())
         if out.requires_grad and not shared.plan.grads_through_function:
             out.register_hook(self.on_output_grad)
 
-    def _traced_output_values(self, local: torch.Tensor, dtype: torch.dtype, width: int,
-                              every_step: bool) -> torch.Tensor:
+    def _traced_output_values(self, local: torch.Tensor, every_step: bool) -> torch.Tensor:
         """The output statistics' accumulators of one call inside compiled code: at every step with
         ``detail="full"``; otherwise computed on sampled steps only, in a branch the graph takes at
         run time on the host's flag (``torch.cond``, as the output-gradient tap does), and zeros on
@@ -339,8 +337,8 @@ class OutputTap:
         (benchmarks/RESULTS.md, fifteenth session); that stays the path of a torch without
         ``torch.cond`` in hooks, and of a model whose KV cache is on: ``torch.cond`` in a frame
         that builds a ``DynamicCache`` fails ``fullgraph=True`` on a tiny GPT-2 (dynamo loses an
-        attribute the cache set, as with the tensor hook: ``follow_cache_config``). ``dtype``,
-        ``width``: the accumulators' dtype and number."""
+        attribute the cache set, as with the tensor hook: ``follow_cache_config``)."""
+        dtype, width = self.forward_cells.dtype, self.forward_cells.numel() - 2  # after first call, elements
         if every_step:
             return registry.accumulate_all(local, dtype)
         shared = self.shared
