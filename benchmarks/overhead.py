@@ -55,8 +55,9 @@ def op_table(workload, device: torch.device) -> dict[str, float]:
     return {"unmonitored": plain, "standard": standard, "full": full}
 
 
-#: Compiled runs: the model as torch.compile(model) (inductor) for each contender, against the
-#: same model compiled without gradwatch; the eager unmonitored step for scale.
+#: Compiled runs: the model as torch.compile(model) (inductor) for each contender, each with a cache
+#: of its own (``contenders.compile_alone``), against the same model compiled without gradwatch;
+#: the eager unmonitored step for scale.
 COMPILED_CONTENDERS = [
     C.compiled(C.Unmonitored, "none, compiled"), C.compiled(C.UnmonitoredControl, "none (A/A), compiled"),
     C.compiled(C.gradwatch_contender(50), "gradwatch flush=50, compiled"),
