@@ -254,7 +254,7 @@ class ReadOnceFloor(Contender):
         self.results.clear()
 
 
-def compile_alone(model: nn.Module) -> Callable[..., Any]:
+def compile_alone(model: nn.Module, **compile_options: Any) -> Callable[..., Any]:
     """``torch.compile(model)``, as a run with this one model compiled sees it.
 
     Dynamo keeps compiled code per Python code object, and every ``torch.compile(module)`` runs
@@ -265,7 +265,7 @@ def compile_alone(model: nn.Module) -> Callable[..., Any]:
     the floor's sums took +450 us in forward beside four other compiled contenders, +150 us with
     a code object of its own. Each contender calls the model through a copy of a one-line
     function, so each has its own entry list; the graph is the model's, as with
-    ``torch.compile(model)``.
+    ``torch.compile(model)``. ``compile_options``: passed to ``torch.compile`` (``backend=...``).
     """
 
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -273,7 +273,7 @@ def compile_alone(model: nn.Module) -> Callable[..., Any]:
 
     alone = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__, None,
                                forward.__closure__)  # fmt: skip
-    return torch.compile(alone)
+    return torch.compile(alone, **compile_options)
 
 
 def compiled(kind: type[Contender], name: str | None = None) -> type[Contender]:

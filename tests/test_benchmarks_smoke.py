@@ -115,3 +115,26 @@ def test_step_host_times_only_unsampled_non_flush_steps_and_the_floor_read():
         assert 0 < f["counted_steps"] <= 47
         assert f["step_us"] == f["floor_us"] == 1e6 and f["above_floor_per_layer_us"] == 0
     assert S.slopes(figures) == {"1->2": 0.0}
+
+
+def test_compiled_contenders_each_keep_their_own_compiled_entries():
+    """Two models compiled in one process share dynamo's cache list (one wrapper code object), so a
+    call first checks the guards of the other model's entry; ``compile_alone`` gives each its own."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch._dynamo.reset()
+    # of different shapes: two identical models would pass each other's guards and share one entry
+    models = [torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.ReLU()) for width in (4, 3)]
+    x = torch.randn(2, 4)
+    shared = [torch.compile(m, backend="eager") for m in models]
+    alone = [C.compile_alone(m, backend="eager") for m in models]
+    for compiled, model in zip(shared + alone, models + models):
+        assert torch.equal(compiled(x), model(x))
+    # torch.compile(module): dynamo runs the module through one wrapper function whose code is the same
+    shared_codes = [c.forward._torchdynamo_orig_callable.__code__ for c in shared]
+    alone_codes = [c._torchdynamo_orig_callable.__code__ for c in alone]
+    assert shared_codes[0] is shared_codes[1]
+    assert len(_debug_get_cache_entry_list(shared_codes[0])) == 2
+    assert alone_codes[0] is not alone_codes[1]
+    assert [len(_debug_get_cache_entry_list(code)) for code in alone_codes] == [1, 1]
+    torch._dynamo.reset()
