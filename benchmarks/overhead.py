@@ -71,12 +71,12 @@ DEPTH_CONTENDERS = [C.Unmonitored, C.UnmonitoredControl, C.EmptyHooks, C.OutputR
 
 
 def compiled_section(rounds: int, warmup: int, device: torch.device, sync=None) -> dict:
-    """Compiled step with gradwatch / compiled step without it: MLP 8x512, the Transformer, and a tiny
-    GPT-2 from transformers with its KV cache off and on (unmonitored twice and gradwatch's default
-    only: its compiles are long)."""
+    """Compiled step with gradwatch / compiled step without it: the three standard workloads (MLP 8x512,
+    the CNN, the Transformer), and a tiny GPT-2 from transformers with its KV cache off and on
+    (unmonitored twice and gradwatch's default only: its compiles are long)."""
     print("\n# compiled training: torch.compile(model), inductor; ratios to the compiled unmonitored step")
     figures = {}
-    for workload in (W.mlp(), W.transformer(), W.gpt2_tiny(), W.gpt2_tiny(use_cache=True)):
+    for workload in (*W.standard(), W.gpt2_tiny(), W.gpt2_tiny(use_cache=True)):
         contenders = COMPILED_CONTENDERS if "gpt2" not in workload.name else COMPILED_CONTENDERS[:3]
         results = measure(workload, contenders, rounds, warmup, device, sync=sync)
         print(format_table(workload.name, results), flush=True)

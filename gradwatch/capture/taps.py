@@ -67,6 +67,15 @@ from ..distributed.sharding import local_tensor
 
 _set_grad_enabled = torch._C._set_grad_enabled  # traceable, and cheaper than detach() per call
 
+#: Outputs of this many dimensions or more (images, volumes) have their output statistics computed
+#: at every step and masked inside compiled code, not in a ``torch.cond`` branch: inductor may lay
+#: them out channels-last after tracing (layout optimisation, on convolution outputs and what
+#: follows them), and a branch compiled for the traced strides then fails its stride assert at the
+#: first sampled step (torch 2.13; ``tests/compile/test_compile.py`` holds it). Their output
+#: gradients keep the branch: measured on convolution nets (conv -> BN -> ReLU, conv -> conv, the
+#: benchmarks' CNN), inductor hands the branch contiguous gradients.
+_RELAID_NDIM = 4
+
 
 class RecordingFlags:
     """What the taps should do at the current step; one object shared by every tap.
@@ -335,14 +344,15 @@ class OutputTap:
         the others. Computed at every step and masked, their float64 squares and count over every
         output element cost the compiled MLP and Transformer ~1 point of their step
         (benchmarks/RESULTS.md, fifteenth session); that stays the path of a torch without
-        ``torch.cond`` in hooks, and of a model whose KV cache is on: ``torch.cond`` in a frame
-        that builds a ``DynamicCache`` fails ``fullgraph=True`` on a tiny GPT-2 (dynamo loses an
-        attribute the cache set, as with the tensor hook: ``follow_cache_config``)."""
+        ``torch.cond`` in hooks, of a model whose KV cache is on (``torch.cond`` in a frame that
+        builds a ``DynamicCache`` fails ``fullgraph=True`` on a tiny GPT-2: dynamo loses an
+        attribute the cache set, as with the tensor hook: ``follow_cache_config``), and of outputs
+        inductor may lay out channels-last (``_RELAID_NDIM``)."""
         dtype, width = self.forward_cells.dtype, self.forward_cells.numel() - 2  # after first call, elements
         if every_step:
             return registry.accumulate_all(local, dtype)
         shared = self.shared
-        branch = _compat.COND_IN_HOOKS and not shared.plan.grads_through_function
+        branch = _compat.COND_IN_HOOKS and not shared.plan.grads_through_function and local.ndim < _RELAID_NDIM
         (values,) = on_sampled_steps(shared, lambda t: (registry.accumulate_all(t, dtype),),
                                      lambda t: (t.new_zeros(width, dtype=dtype),), local, branch)  # fmt: skip
         return values

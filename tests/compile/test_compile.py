@@ -762,3 +762,49 @@ def test_with_the_kv_cache_on_compiled_taps_survive_in_place_ops_and_say_which_o
     assert np.isnan(window.out_grad_norm[:, window.layers.index("0.head")]).all()
     said = [r.getMessage() for r in caplog.records if "use_cache" in r.getMessage()]
     assert len(said) == 1 and "(0.head)" in said[0]
+
+
+
+def _conv_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 4))  # fmt: skip
+
+
+def test_inductor_default_detail_records_a_conv_net_s_sampled_steps_as_the_eager_twin():
+    # Inductor lays convolution outputs out channels-last (layout optimisation) after compiling a
+    # torch.cond branch for their traced contiguous strides: the output-statistics branch on such an
+    # output failed inductor's stride assert at the first sampled step, and training stopped. 4-D
+    # outputs take the masked path in forward (taps.py); their output gradients keep the branch.
+    torch.manual_seed(0)
+    model = _conv_net()
+    twin = copy.deepcopy(model)
+    names = ["0", "1", "3", "4", "8"]
+    monitor = GradMonitor(model, flush_every=4)
+    run = torch.compile(model, backend="inductor", fullgraph=True)
+    retained = RetainedOutputs(twin, names)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin)]
+    g = torch.Generator().manual_seed(3)
+    expected = []
+    for _ in range(4):
+        x = torch.randn(4, 3, 16, 16, generator=g)
+        retained.clear()
+        for net, opt in ((run, opts[0]), (twin, opts[1])):
+            net(x).square().mean().backward()
+        expected.append({n: (retained.norm(n), float(retained.outputs[n][0].detach().double().square().mean().sqrt()))
+                         for n in names})  # fmt: skip
+        monitor.step()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    monitor.close()
+    w = monitor.last_window
+    assert w.layers == names
+    sampled = [t for t in range(4) if w.sampled[t]]
+    assert sampled and len(sampled) < 4  # both kinds of step ran
+    for t in sampled:
+        for i, name in enumerate(names):
+            out_grad_norm, act_rms = expected[t][name]
+            assert w.out_grad_norm[t, i] == pytest.approx(out_grad_norm, rel=1e-4), name
+            assert w.output_stats["act_rms"][t, i] == pytest.approx(act_rms, rel=1e-4), name
+    assert not w.fwd_nonfinite.any()
