@@ -25,6 +25,15 @@ if TYPE_CHECKING:
 _set_grad_enabled = torch._C._set_grad_enabled  # traceable, and cheaper than detach() per call
 
 
+#: Operands of this many dimensions or more (images, volumes: convolution outputs and their gradients)
+#: are computed at every step and masked, never branched on: inductor may lay them out channels-last
+#: (layout optimisation) after a ``torch.cond`` branch was compiled for their traced strides, or
+#: contiguous where they were traced channels-last, and the branch then fails its stride assert at the
+#: first sampled step (torch 2.13: the forward's output statistics on a small conv net, the backward's
+#: gradient statistics on a ResNet-18; ``tests/compile/test_compile.py`` holds it).
+RELAID_NDIM = 4
+
+
 def on_sampled_steps(shared: "DeviceTapState", compute: Callable[[torch.Tensor], tuple], zeros: Callable[[torch.Tensor], tuple],
                      operand: torch.Tensor, branch: bool) -> tuple:
     """Inside compiled code: ``compute(operand)`` on sampled steps, ``zeros(operand)`` (the same
@@ -33,8 +42,9 @@ def on_sampled_steps(shared: "DeviceTapState", compute: Callable[[torch.Tensor],
     ``shared.plan.on_host``, a CPU tensor: reading it never waits for the device), so unsampled
     steps pay nothing; otherwise (where ``torch.cond`` cannot be traced) computed at every step and
     kept where the device's flag ``shared.sampled`` says so (a non-finite value of an unsampled step
-    cannot leak: ``where`` selects, it does not multiply)."""
-    if branch:
+    cannot leak: ``where`` selects, it does not multiply), as for operands of ``RELAID_NDIM`` or more
+    dimensions."""
+    if branch and operand.ndim < RELAID_NDIM:
         return tuple(torch.cond(shared.plan.on_host, compute, zeros, (operand,)))
     return tuple(torch.where(shared.sampled, value, 0.0) for value in compute(operand))
 

@@ -43,7 +43,8 @@ What dynamo needs, each measured on torch 2.13 (tests/test_compile.py keeps them
   every step and kept where the device's flag says so (a few scalar ops); the output statistics
   in a branch the graph takes at run time on the host's flag (``torch.cond`` on a CPU tensor:
   reading it never waits for the device). Backward: the hook is on every step's output and
-  computes its statistics in such a branch too. Computed at every step and masked, the backward's
+  computes its statistics in such a branch too (both masked for 4-D and larger operands, whose
+  layout inductor may change after tracing: ``grad_tap.RELAID_NDIM``). Computed at every step and masked, the backward's
   measured 1.13x on the compiled Transformer against 1.03x, the forward's 1.024 against 1.013 there
   (benchmarks/RESULTS.md), although they fuse into the forward check's kernel: float64 squares
   and a count over every output element. Eager taps read the Python bool and skip the work.
@@ -66,15 +67,6 @@ from .layers import LayerSpec, grad_tensors
 from ..distributed.sharding import local_tensor
 
 _set_grad_enabled = torch._C._set_grad_enabled  # traceable, and cheaper than detach() per call
-
-#: Outputs of this many dimensions or more (images, volumes) have their output statistics computed
-#: at every step and masked inside compiled code, not in a ``torch.cond`` branch: inductor may lay
-#: them out channels-last after tracing (layout optimisation, on convolution outputs and what
-#: follows them), and a branch compiled for the traced strides then fails its stride assert at the
-#: first sampled step (torch 2.13; ``tests/compile/test_compile.py`` holds it). Their output
-#: gradients keep the branch: measured on convolution nets (conv -> BN -> ReLU, conv -> conv, the
-#: benchmarks' CNN), inductor hands the branch contiguous gradients.
-_RELAID_NDIM = 4
 
 
 class RecordingFlags:
@@ -347,12 +339,12 @@ class OutputTap:
         ``torch.cond`` in hooks, of a model whose KV cache is on (``torch.cond`` in a frame that
         builds a ``DynamicCache`` fails ``fullgraph=True`` on a tiny GPT-2: dynamo loses an
         attribute the cache set, as with the tensor hook: ``follow_cache_config``), and of outputs
-        inductor may lay out channels-last (``_RELAID_NDIM``)."""
+        inductor may lay out channels-last (``grad_tap.RELAID_NDIM``)."""
         dtype, width = self.forward_cells.dtype, self.forward_cells.numel() - 2  # after first call, elements
         if every_step:
             return registry.accumulate_all(local, dtype)
         shared = self.shared
-        branch = _compat.COND_IN_HOOKS and not shared.plan.grads_through_function and local.ndim < _RELAID_NDIM
+        branch = _compat.COND_IN_HOOKS and not shared.plan.grads_through_function
         (values,) = on_sampled_steps(shared, lambda t: (registry.accumulate_all(t, dtype),),
                                      lambda t: (t.new_zeros(width, dtype=dtype),), local, branch)  # fmt: skip
         return values

@@ -765,21 +765,34 @@ def test_with_the_kv_cache_on_compiled_taps_survive_in_place_ops_and_say_which_o
 
 
 
+class _Residual(nn.Module):
+    """A ResNet basic block: conv, BN, ReLU, conv, BN, the skip added, ReLU."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+        self.c2, self.b2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.b2(self.c2(torch.relu(self.b1(self.c1(x))))))
+
+
 def _conv_net() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
-                         nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(8, 4))  # fmt: skip
+    return nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.MaxPool2d(3, 2, 1), _Residual(16), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(16, 4))  # fmt: skip
 
 
 def test_inductor_default_detail_records_a_conv_net_s_sampled_steps_as_the_eager_twin():
-    # Inductor lays convolution outputs out channels-last (layout optimisation) after compiling a
-    # torch.cond branch for their traced contiguous strides: the output-statistics branch on such an
-    # output failed inductor's stride assert at the first sampled step, and training stopped. 4-D
-    # outputs take the masked path in forward (taps.py); their output gradients keep the branch.
+    # Inductor lays convolution outputs and their gradients out channels-last, or contiguous where
+    # they were traced channels-last (layout optimisation), after compiling a torch.cond branch for
+    # their traced strides: the branch failed its stride assert at the first sampled step (forward:
+    # a conv output's statistics; backward: the gradient statistics in the residual block), and
+    # training stopped. 4-D operands take the masked path (grad_tap.RELAID_NDIM).
     torch.manual_seed(0)
     model = _conv_net()
     twin = copy.deepcopy(model)
-    names = ["0", "1", "3", "4", "8"]
+    names = ["0", "1", "4.c1", "4.b1", "4.c2", "4.b2", "7"]
     monitor = GradMonitor(model, flush_every=4)
     run = torch.compile(model, backend="inductor", fullgraph=True)
     retained = RetainedOutputs(twin, names)
@@ -787,7 +800,7 @@ def test_inductor_default_detail_records_a_conv_net_s_sampled_steps_as_the_eager
     g = torch.Generator().manual_seed(3)
     expected = []
     for _ in range(4):
-        x = torch.randn(4, 3, 16, 16, generator=g)
+        x = torch.randn(4, 3, 32, 32, generator=g)
         retained.clear()
         for net, opt in ((run, opts[0]), (twin, opts[1])):
             net(x).square().mean().backward()
