@@ -34,8 +34,8 @@ _set_grad_enabled = torch._C._set_grad_enabled  # traceable, and cheaper than de
 RELAID_NDIM = 4
 
 
-def on_sampled_steps(shared: "DeviceTapState", compute: Callable[[torch.Tensor], tuple], zeros: Callable[[torch.Tensor], tuple],
-                     operand: torch.Tensor, branch: bool) -> tuple:
+def on_sampled_steps(shared: "DeviceTapState", compute: Callable[[torch.Tensor], tuple],
+                     zeros: Callable[[torch.Tensor], tuple], operand: torch.Tensor, branch: bool) -> tuple:
     """Inside compiled code: ``compute(operand)`` on sampled steps, ``zeros(operand)`` (the same
     shapes) on the others, as a tuple of tensors. ``shared``: the device's ``cells.DeviceTapState``.
     ``branch``: in a branch the graph takes at run time on the host's flag (``torch.cond`` on

@@ -44,10 +44,10 @@ What dynamo needs, each measured on torch 2.13 (tests/test_compile.py keeps them
   in a branch the graph takes at run time on the host's flag (``torch.cond`` on a CPU tensor:
   reading it never waits for the device). Backward: the hook is on every step's output and
   computes its statistics in such a branch too (both masked for 4-D and larger operands, whose
-  layout inductor may change after tracing: ``grad_tap.RELAID_NDIM``). Computed at every step and masked, the backward's
-  measured 1.13x on the compiled Transformer against 1.03x, the forward's 1.024 against 1.013 there
-  (benchmarks/RESULTS.md), although they fuse into the forward check's kernel: float64 squares
-  and a count over every output element. Eager taps read the Python bool and skip the work.
+  layout inductor may change after tracing: ``grad_tap.RELAID_NDIM``). Computed at every step and
+  masked, the backward's measured 1.13x on the compiled Transformer against 1.03x, the forward's
+  1.024 against 1.013 there (benchmarks/RESULTS.md), although they fuse into the forward check's
+  kernel: float64 squares and a count over every output element. Eager taps read the Python bool and skip the work.
 - The tensor hook returns its gradient unchanged (returning None fails under compiled autograd).
 """
 

@@ -764,7 +764,6 @@ def test_with_the_kv_cache_on_compiled_taps_survive_in_place_ops_and_say_which_o
     assert len(said) == 1 and "(0.head)" in said[0]
 
 
-
 class _Residual(nn.Module):
     """A ResNet basic block: conv, BN, ReLU, conv, BN, the skip added, ReLU."""
 
