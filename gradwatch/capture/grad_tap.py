@@ -16,6 +16,7 @@ import torch
 
 from .. import _compat
 from ..distributed.sharding import local_tensor
+from . import host_branch
 from .grad_statistics import GradStatistics
 from .host_cells import HostCells
 
@@ -26,26 +27,31 @@ _set_grad_enabled = torch._C._set_grad_enabled  # traceable, and cheaper than de
 
 
 #: Operands of this many dimensions or more (images, volumes: convolution outputs and their gradients)
-#: are computed at every step and masked, never branched on: inductor may lay them out channels-last
-#: (layout optimisation) after a ``torch.cond`` branch was compiled for their traced strides, or
-#: contiguous where they were traced channels-last, and the branch then fails its stride assert at the
-#: first sampled step (torch 2.13: the forward's output statistics on a small conv net, the backward's
-#: gradient statistics on a ResNet-18; ``tests/compile/test_compile.py`` holds it).
+#: never go to a ``torch.cond`` branch: inductor may lay them out channels-last (layout optimisation)
+#: after the branch was compiled for their traced strides, or contiguous where they were traced
+#: channels-last, and the branch then fails its stride assert at the first sampled step (torch 2.13:
+#: the forward's output statistics on a small conv net, the backward's gradient statistics on a
+#: ResNet-18; ``tests/compile/test_compile.py`` holds it). They go to an opaque op that branches on
+#: the host's flag at run time instead (``host_branch.py``).
 RELAID_NDIM = 4
 
 
 def on_sampled_steps(shared: "DeviceTapState", compute: Callable[[torch.Tensor], tuple],
-                     zeros: Callable[[torch.Tensor], tuple], operand: torch.Tensor, branch: bool) -> tuple:
+                     zeros: Callable[[torch.Tensor], tuple], operand: torch.Tensor, branch: bool,
+                     opaque: Callable[[torch.Tensor], tuple]) -> tuple:  # fmt: skip
     """Inside compiled code: ``compute(operand)`` on sampled steps, ``zeros(operand)`` (the same
     shapes) on the others, as a tuple of tensors. ``shared``: the device's ``cells.DeviceTapState``.
     ``branch``: in a branch the graph takes at run time on the host's flag (``torch.cond`` on
     ``shared.plan.on_host``, a CPU tensor: reading it never waits for the device), so unsampled
-    steps pay nothing; otherwise (where ``torch.cond`` cannot be traced) computed at every step and
-    kept where the device's flag ``shared.sampled`` says so (a non-finite value of an unsampled step
-    cannot leak: ``where`` selects, it does not multiply), as for operands of ``RELAID_NDIM`` or more
-    dimensions."""
+    steps pay nothing; for operands of ``RELAID_NDIM`` or more dimensions, ``opaque(operand)``: the
+    same computation as an op of ``host_branch.py``, which reads the flag when it runs. Otherwise
+    (where neither can be traced: compiled autograd's graph, a frame with Hugging Face's KV cache)
+    computed at every step and kept where the device's flag ``shared.sampled`` says so (a
+    non-finite value of an unsampled step cannot leak: ``where`` selects, it does not multiply)."""
     if branch and operand.ndim < RELAID_NDIM:
         return tuple(torch.cond(shared.plan.on_host, compute, zeros, (operand,)))
+    if branch:
+        return tuple(opaque(operand))
     return tuple(torch.where(shared.sampled, value, 0.0) for value in compute(operand))
 
 
@@ -128,7 +134,13 @@ class GradTap:
         # Compiled autograd traces this hook into its own graph, where torch.cond fails (and a
         # torch before 2.13 is untested with it): there the statistics are masked.
         branch = _compat.COND_IN_HOOKS and not _compat.in_compiled_autograd()
-        sq, evidence = on_sampled_steps(shared, lambda t: stats.deltas(t, weights), stats.no_deltas, g, branch)
+        key = shared.plan.key
+
+        def opaque(t: torch.Tensor) -> tuple:
+            return host_branch.output_grad_deltas(t, weights, key, stats.units, stats.channel_first, stats.unit_sums,
+                                                  stats.dtype)  # fmt: skip
+
+        sq, evidence = on_sampled_steps(shared, lambda t: stats.deltas(t, weights), stats.no_deltas, g, branch, opaque)
         cells[0:1].add_(sq)
         if stats.judged(g):
             self.units.add_(evidence)

@@ -43,8 +43,9 @@ What dynamo needs, each measured on torch 2.13 (tests/test_compile.py keeps them
   every step and kept where the device's flag says so (a few scalar ops); the output statistics
   in a branch the graph takes at run time on the host's flag (``torch.cond`` on a CPU tensor:
   reading it never waits for the device). Backward: the hook is on every step's output and
-  computes its statistics in such a branch too (both masked for 4-D and larger operands, whose
-  layout inductor may change after tracing: ``grad_tap.RELAID_NDIM``). Computed at every step and
+  computes its statistics in such a branch too (for 4-D and larger operands, whose layout
+  inductor may change after tracing, an opaque op that branches when it runs: ``host_branch.py``,
+  ``grad_tap.RELAID_NDIM``). Computed at every step and
   masked, the backward's measured 1.13x on the compiled Transformer against 1.03x, the forward's
   1.024 against 1.013 there (benchmarks/RESULTS.md), although they fuse into the forward check's
   kernel: float64 squares and a count over every output element. Eager taps read the Python bool and skip the work.
@@ -58,6 +59,7 @@ from typing import Any
 import torch
 
 from .. import _compat, registry
+from . import host_branch
 from .cells import DeviceTapState
 from .grad_passthrough import can_pass_through, pass_through
 from .grad_statistics import GradStatistics
@@ -86,6 +88,8 @@ class RecordingFlags:
         self.device_flags: list[tuple[torch.Tensor, torch.Tensor]] = []
         #: the same on the host (a CPU bool): what compiled taps branch on (``torch.cond``)
         self.on_host = torch.ones((), dtype=torch.bool)
+        #: how the opaque ops of compiled code find these flags (``host_branch.py``)
+        self.key = host_branch.register(self)
         #: every step is sampled (``detail="full"``; fixed at attach): compiled taps need no flag
         self.every_step = False
         #: the configurations with a KV-cache switch (``config.use_cache``, Hugging Face) in the model
@@ -338,15 +342,17 @@ class OutputTap:
         (benchmarks/RESULTS.md, fifteenth session); that stays the path of a torch without
         ``torch.cond`` in hooks, of a model whose KV cache is on (``torch.cond`` in a frame that
         builds a ``DynamicCache`` fails ``fullgraph=True`` on a tiny GPT-2: dynamo loses an
-        attribute the cache set, as with the tensor hook: ``follow_cache_config``), and of outputs
-        inductor may lay out channels-last (``grad_tap.RELAID_NDIM``)."""
+        attribute the cache set, as with the tensor hook: ``follow_cache_config``). Outputs inductor
+        may lay out channels-last go to an opaque op instead of the branch (``host_branch.py``)."""
         dtype, width = self.forward_cells.dtype, self.forward_cells.numel() - 2  # after first call, elements
         if every_step:
             return registry.accumulate_all(local, dtype)
         shared = self.shared
         branch = _compat.COND_IN_HOOKS and not shared.plan.grads_through_function
+        key = shared.plan.key
         (values,) = on_sampled_steps(shared, lambda t: (registry.accumulate_all(t, dtype),),
-                                     lambda t: (t.new_zeros(width, dtype=dtype),), local, branch)  # fmt: skip
+                                     lambda t: (t.new_zeros(width, dtype=dtype),), local, branch,
+                                     lambda t: (host_branch.output_values(t, key, dtype),))  # fmt: skip
         return values
 
     def _check_forward(self, out: torch.Tensor, plan: RecordingFlags) -> None:
