@@ -782,55 +782,11 @@ def _conv_net() -> nn.Module:
                          nn.Linear(16, 4))  # fmt: skip
 
 
-def test_inductor_default_detail_records_a_conv_net_s_sampled_steps_as_the_eager_twin():
-    # Inductor lays convolution outputs and their gradients out channels-last, or contiguous where
-    # they were traced channels-last (layout optimisation), after compiling a torch.cond branch for
-    # their traced strides: the branch failed its stride assert at the first sampled step (forward:
-    # a conv output's statistics; backward: the gradient statistics in the residual block), and
-    # training stopped. 4-D operands take the masked path (grad_tap.RELAID_NDIM).
-    torch.manual_seed(0)
-    model = _conv_net()
-    twin = copy.deepcopy(model)
-    names = ["0", "1", "4.c1", "4.b1", "4.c2", "4.b2", "7"]
-    monitor = GradMonitor(model, flush_every=4)
-    run = torch.compile(model, backend="inductor", fullgraph=True)
-    retained = RetainedOutputs(twin, names)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin)]
-    g = torch.Generator().manual_seed(3)
-    expected = []
-    for _ in range(4):
-        x = torch.randn(4, 3, 32, 32, generator=g)
-        retained.clear()
-        for net, opt in ((run, opts[0]), (twin, opts[1])):
-            net(x).square().mean().backward()
-        expected.append({n: (retained.norm(n), float(retained.outputs[n][0].detach().double().square().mean().sqrt()))
-                         for n in names})  # fmt: skip
-        monitor.step()
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    monitor.close()
-    w = monitor.last_window
-    assert w.layers == names
-    sampled = [t for t in range(4) if w.sampled[t]]
-    assert sampled and len(sampled) < 4  # both kinds of step ran
-    for t in sampled:
-        for i, name in enumerate(names):
-            out_grad_norm, act_rms = expected[t][name]
-            assert w.out_grad_norm[t, i] == pytest.approx(out_grad_norm, rel=1e-4), name
-            assert w.output_stats["act_rms"][t, i] == pytest.approx(act_rms, rel=1e-4), name
-    assert not w.fwd_nonfinite.any()
-
-
-def test_a_conv_net_s_statistics_inside_compiled_code_are_computed_on_sampled_steps_only(monkeypatch):
-    # Images (4-D outputs and output gradients) go to opaque ops that branch on the host's flag at
-    # run time (capture/host_branch.py), not to torch.cond (inductor may relay them out) nor to
-    # the masked path (their full read at every step: the compiled CNN's 1.07x against 1.02x):
-    # after compiling, the statistics' code runs on sampled steps only, once per 4-D layer.
-    from gradwatch import registry, settings
+def _count_statistics_at_run_time(monkeypatch) -> dict:
+    """Calls of the output-gradient and output statistics' code at run time (not while tracing)."""
+    from gradwatch import registry
     from gradwatch.capture.grad_statistics import GradStatistics
 
-    monkeypatch.setitem(settings.DETAILS, "standard", 3)
     computed = {"deltas": 0, "values": 0}
 
     def counting(kind, real):
@@ -842,24 +798,52 @@ def test_a_conv_net_s_statistics_inside_compiled_code_are_computed_on_sampled_st
 
     monkeypatch.setattr(GradStatistics, "deltas", counting("deltas", GradStatistics.deltas))
     monkeypatch.setattr(registry, "accumulate_all", counting("values", registry.accumulate_all))
+    return computed
+
+
+def test_inductor_default_detail_records_a_conv_net_s_sampled_steps_as_the_eager_twin(monkeypatch):
+    # Inductor lays convolution outputs and their gradients out channels-last, or contiguous where
+    # they were traced channels-last (layout optimisation), after compiling a torch.cond branch for
+    # their traced strides: the branch failed its stride assert at the first sampled step (forward:
+    # a conv output's statistics; backward: the gradient statistics in the residual block), and
+    # training stopped. 4-D operands go to opaque ops that branch on the host's flag when they run
+    # (capture/host_branch.py), not to the masked path (their full read at every step: the
+    # compiled CNN's 1.08x against 1.02x): after compiling, the statistics' code runs once per 4-D
+    # layer on sampled steps and not at all on the others.
+    computed = _count_statistics_at_run_time(monkeypatch)
     torch.manual_seed(0)
     model = _conv_net()
-    monitor = GradMonitor(model, flush_every=6)
-    run = torch.compile(model, backend=BACKEND, fullgraph=True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    per_step = []
-    for _ in range(8):
-        sampled = monitor._recorder.plan.sampling
+    twin = copy.deepcopy(model)
+    names = ["0", "1", "4.c1", "4.b1", "4.c2", "4.b2", "7"]
+    monitor = GradMonitor(model, flush_every=4)
+    run = torch.compile(model, backend="inductor", fullgraph=True)
+    retained = RetainedOutputs(twin, names)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin)]
+    g = torch.Generator().manual_seed(3)
+    expected, counted = [], []
+    for _ in range(4):
+        x = torch.randn(4, 3, 32, 32, generator=g)
+        retained.clear()
         before = dict(computed)
-        run(torch.randn(4, 3, 16, 16)).square().mean().backward()
-        per_step.append((sampled, computed["deltas"] - before["deltas"], computed["values"] - before["values"]))
+        run(x).square().mean().backward()
+        counted.append((computed["deltas"] - before["deltas"], computed["values"] - before["values"]))
+        twin(x).square().mean().backward()
+        expected.append({n: (retained.norm(n), float(retained.outputs[n][0].detach().double().square().mean().sqrt()))
+                         for n in names})  # fmt: skip
         monitor.step()
-        opt.step()
-        opt.zero_grad()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
     monitor.close()
+    w = monitor.last_window
+    assert w.layers == names
+    sampled = [t for t in range(4) if w.sampled[t]]
+    assert 0 < len(sampled[1:]) < 3  # both kinds of step ran after the one that compiled
+    for t in sampled:
+        for i, name in enumerate(names):
+            out_grad_norm, act_rms = expected[t][name]
+            assert w.out_grad_norm[t, i] == pytest.approx(out_grad_norm, rel=1e-4), name
+            assert w.output_stats["act_rms"][t, i] == pytest.approx(act_rms, rel=1e-4), name
     images = 6  # the convolutions and batch norms; the Linear's 2-D statistics stay in torch.cond
-    after_compiling = per_step[1:]
-    assert {s for s, _, _ in after_compiling} == {True, False}  # both kinds of step ran
-    for sampled, deltas, values in after_compiling:
-        assert (deltas, values) == ((images, images) if sampled else (0, 0))
-    assert not monitor.last_window.fwd_nonfinite.any()
+    assert counted[1:] == [(images, images) if w.sampled[t] else (0, 0) for t in range(1, 4)]
+    assert not w.fwd_nonfinite.any()
