@@ -6,7 +6,8 @@ optimisation may hand a convolution's output or output gradient to it channels-l
 contiguous where it was traced channels-last): the branch fails its stride assert at the first
 sampled step (``grad_tap.RELAID_NDIM``). Computed at every step and masked instead, a conv net's
 statistics cost it their full read at every step (the standard CNN compiled: 1.08x its unmonitored
-step, against 1.03x for the floor of what the default must read; benchmarks/RESULTS.md).
+step, against 1.03x for the floor of what the default must read; through these ops 1.005x,
+benchmarks/RESULTS.md).
 
 The two ops here are that branch as custom ops: inductor hands them the buffer as laid out
 (``flexible_layout``) and cannot see into them; at run time each reads its monitor's
