@@ -681,6 +681,7 @@ def _graphs_and_breaks(build, monitored: bool) -> tuple[int, int, int]:
 
 # Llama (tiny, use_cache=False) gives 1 and 2 graphs too (benchmarks/compile_graphs.py): left to the benchmark,
 # its compiles cost the suite 7.5 s of its 5-minute budget; GPT-2 is compiled by the Hugging Face tests.
+@pytest.mark.slow
 @pytest.mark.parametrize("build", [_transformer_encoder], ids=["transformer_encoder"])
 def test_real_models_compiled_whole_make_the_baseline_s_graphs(build):
     graphs, breaks, _ = _graphs_and_breaks(build, monitored=False)
@@ -801,6 +802,7 @@ def _count_statistics_at_run_time(monkeypatch) -> dict:
     return computed
 
 
+@pytest.mark.slow
 def test_inductor_default_detail_records_a_conv_net_s_sampled_steps_as_the_eager_twin(monkeypatch):
     # Inductor lays convolution outputs and their gradients out channels-last, or contiguous where
     # they were traced channels-last (layout optimisation), after compiling a torch.cond branch for

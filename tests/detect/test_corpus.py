@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from benchmarks import corpus
 from gradwatch import HealthConfig
 
@@ -23,6 +25,7 @@ def test_peer_rules_alarm_where_their_definitions_say():
     assert 45 in alarms["ZClip 2.5"] and all(t >= 25 for t in alarms["ZClip 2.5"])  # after its warm-up
 
 
+@pytest.mark.slow
 def test_the_smoke_subset_finds_every_fault_with_its_kind_and_layer_and_stays_silent_on_healthy_runs():
     outcomes = corpus.main(["--quick"])
     faulty = [o for o in outcomes if o.kind]

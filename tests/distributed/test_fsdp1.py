@@ -97,6 +97,7 @@ def _check_histograms(histograms: dict, rel: float, at_least: int, where: str) -
             assert written[1:] == pytest.approx(expected[1:], rel=rel), (where, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_deepspeed_zero_1_2_and_3_give_the_whole_gradient(gloo, world):
     # deepspeed (0.19.8, constraints.txt; in the test extras on Linux) with its CPU accelerator. Every

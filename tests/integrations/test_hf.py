@@ -122,6 +122,7 @@ def test_torch_compile_records_every_statistic(tmp_path):
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_a_model_compiled_fullgraph_with_the_kv_cache_on_records_every_statistic_at_the_baselines_graphs(caplog):
     # With use_cache=True a tensor hook in the compiled frame trips a dynamo bug that dropped the
     # whole-model graph and failed fullgraph=True (docs/reference.md); compiled taps then hand the
