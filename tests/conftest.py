@@ -30,13 +30,6 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(_MAX_WORKERS, os.cpu_count() or 1))
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests marked ``slow`` (~10 s or more) first, the rest in their order: xdist hands tests out in
-    collection order, and a 20-second test drawn last keeps one worker busy after the other is
-    done. (A stable sort: every worker collects the same order, as xdist requires.)"""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 def pytest_configure(config):
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:

@@ -45,12 +45,12 @@ def on_sampled_steps(shared: "DeviceTapState", compute: Callable[[torch.Tensor],
     ``shared.plan.on_host``, a CPU tensor: reading it never waits for the device), so unsampled
     steps pay nothing; for operands of ``RELAID_NDIM`` or more dimensions, ``opaque(operand)``: the
     same computation as an op of ``host_branch.py``, which reads the flag when it runs. Otherwise
-    (where neither can be traced: compiled autograd's graph, a frame with Hugging Face's KV cache)
-    computed at every step and kept where the device's flag ``shared.sampled`` says so (a
+    (where neither can be traced: compiled autograd's graph, a frame with Hugging Face's KV cache,
+    a process where the ops could not be defined) computed at every step and kept where the device's flag ``shared.sampled`` says so (a
     non-finite value of an unsampled step cannot leak: ``where`` selects, it does not multiply)."""
     if branch and operand.ndim < RELAID_NDIM:
         return tuple(torch.cond(shared.plan.on_host, compute, zeros, (operand,)))
-    if branch:
+    if branch and host_branch.DEFINED:
         return tuple(opaque(operand))
     return tuple(torch.where(shared.sampled, value, 0.0) for value in compute(operand))
 

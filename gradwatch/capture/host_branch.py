@@ -13,15 +13,17 @@ The two ops here are that branch as custom ops: inductor hands them the buffer a
 (``flexible_layout``) and cannot see into them; at run time each reads its monitor's
 ``RecordingFlags.sampling`` (a Python bool on the host: no device read) and computes the
 statistics (the functions the branch would trace, run eagerly: any layout), or returns zeros of
-the same shapes. They are
-``cudagraph_unsafe``: a CUDA graph replays kernels without running Python, so inductor leaves
-them out of its graphs. Compiled code reaches the flags by an int key equal across the monitor's
-layers (a per-layer constant would make each block of a regionally compiled model its own graph).
+the same shapes. They are ``cudagraph_unsafe``: a CUDA graph replays kernels without running
+Python, so inductor leaves them out of its graphs. Compiled code reaches the flags by an int key
+equal across the monitor's layers (a per-layer constant would make each block of a regionally
+compiled model its own graph). Where the ops cannot be defined (:data:`DEFINED` False), images'
+statistics are computed at every step and masked, as where ``torch.cond`` cannot be traced.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import weakref
 from typing import TYPE_CHECKING
 
@@ -33,6 +35,8 @@ from .grad_statistics import GradStatistics
 
 if TYPE_CHECKING:
     from .taps import RecordingFlags
+
+log = logging.getLogger("gradwatch")
 
 #: key -> the monitor's recording flags, while the monitor lives
 _FLAGS: "weakref.WeakValueDictionary[int, RecordingFlags]" = weakref.WeakValueDictionary()
@@ -95,20 +99,26 @@ def _define_ops() -> "torch.library.Library | None":
     Python wrappers cost ~75 us a call against ~25 here. Still dearer than a branch of
     ``torch.cond`` (~11 us), so only images take them (the standard MLP compiled with all its
     statistics through these ops: 1.037 its read floor, against 1.020 with ``torch.cond``; with
-    ``custom_op``, 1.064). Before torch 2.4 (no
-    ``register_fake``) nothing is defined: releases before 2.13 never call these ops (``torch.cond``
-    in hooks is off there, ``_compat.COND_IN_HOOKS``, and the statistics are masked)."""
+    ``custom_op``, 1.064). None before torch 2.4 (no ``register_fake``; releases before 2.13 mask
+    the statistics anyway: ``_compat.COND_IN_HOOKS``), and where a second copy of gradwatch in the
+    process defined them first (their kernels would read that copy's flags)."""
     if not hasattr(torch.library, "register_fake"):
         return None
     tags = tuple(getattr(torch.Tag, name) for name in ("flexible_layout", "cudagraph_unsafe") if hasattr(torch.Tag, name))
-    library = torch.library.Library("gradwatch", "DEF")
-    for name, (schema, kernel, shapes) in _SCHEMAS.items():
-        library.define(name + schema, tags=tags)
-        library.impl(name, kernel, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"gradwatch::{name}", shapes, lib=library)
+    try:
+        library = torch.library.Library("gradwatch", "DEF")
+        for name, (schema, kernel, shapes) in _SCHEMAS.items():
+            library.define(name + schema, tags=tags)
+            library.impl(name, kernel, "CompositeExplicitAutograd")
+            torch.library.register_fake(f"gradwatch::{name}", shapes, lib=library)
+    except RuntimeError as exc:  # the namespace is taken
+        log.debug("gradwatch: images' statistics are masked inside compiled code (%s)", exc)
+        return None
     return library
 
 
 _LIBRARY = _define_ops()  # kept: the registrations live as long as this object
-output_grad_deltas = torch.ops.gradwatch.output_grad_deltas.default if _LIBRARY else _output_grad_deltas
-output_values = torch.ops.gradwatch.output_values.default if _LIBRARY else _output_values
+#: whether the ops exist (else ``grad_tap.on_sampled_steps`` masks images' statistics)
+DEFINED = _LIBRARY is not None
+output_grad_deltas = torch.ops.gradwatch.output_grad_deltas.default if DEFINED else None
+output_values = torch.ops.gradwatch.output_values.default if DEFINED else None
