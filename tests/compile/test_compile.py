@@ -810,7 +810,7 @@ def test_inductor_default_detail_records_a_conv_net_s_sampled_steps_as_the_eager
     # a conv output's statistics; backward: the gradient statistics in the residual block), and
     # training stopped. 4-D operands go to opaque ops that branch on the host's flag when they run
     # (capture/host_branch.py), not to the masked path (their full read at every step: the
-    # compiled CNN's 1.08x against 1.02x): after compiling, the statistics' code runs once per 4-D
+    # compiled CNN's 1.08x against 1.005x): after compiling, the statistics' code runs once per 4-D
     # layer on sampled steps and not at all on the others.
     computed = _count_statistics_at_run_time(monkeypatch)
     torch.manual_seed(0)
