@@ -166,7 +166,10 @@ def depth_section(rounds: int, warmup: int, device: torch.device, depths: tuple[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer rounds (smoke test)")
-    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds of the standard section (default 100, 20 with --quick); the others scale "
+                             "from it: real models a third (at least 8), compiled and depth half (at least 10), "
+                             "flush_every at least 200")  # fmt: skip
     parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument("--skip-scaling", action="store_true", help="skip the depth and flush_every sweeps")
     parser.add_argument("--skip-real", action="store_true", help="skip the real-model tables (ResNet-18, GPT-2, ViT)")
