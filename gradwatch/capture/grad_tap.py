@@ -46,8 +46,9 @@ def on_sampled_steps(shared: "DeviceTapState", compute: Callable[[torch.Tensor],
     steps pay nothing; for operands of ``RELAID_NDIM`` or more dimensions, ``opaque(operand)``: the
     same computation as an op of ``host_branch.py``, which reads the flag when it runs. Otherwise
     (where neither can be traced: compiled autograd's graph, a frame with Hugging Face's KV cache,
-    a process where the ops could not be defined) computed at every step and kept where the device's flag ``shared.sampled`` says so (a
-    non-finite value of an unsampled step cannot leak: ``where`` selects, it does not multiply)."""
+    a process where the ops could not be defined) computed at every step and kept where the
+    device's flag ``shared.sampled`` says so (a non-finite value of an unsampled step cannot leak:
+    ``where`` selects, it does not multiply)."""
     if branch and operand.ndim < RELAID_NDIM:
         return tuple(torch.cond(shared.plan.on_host, compute, zeros, (operand,)))
     if branch and host_branch.DEFINED:

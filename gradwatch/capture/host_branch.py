@@ -67,7 +67,9 @@ def _output_grad_deltas(grad: torch.Tensor, weights: torch.Tensor, flags_key: in
         return stats.deltas(grad, weights)
 
 
-def _output_grad_deltas_shapes(grad, weights, flags_key, units, channel_first, unit_sums, dtype):  # type: ignore[no-untyped-def]
+def _output_grad_deltas_shapes(grad: torch.Tensor, weights: torch.Tensor, flags_key: int, units: int,
+                               channel_first: bool, unit_sums: bool,
+                               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     return GradStatistics(units, channel_first, weights, dtype).no_deltas(grad)
 
 
@@ -80,7 +82,7 @@ def _output_values(output: torch.Tensor, flags_key: int, dtype: torch.dtype) -> 
         return registry.accumulate_all(output, dtype)
 
 
-def _output_values_shape(output, flags_key, dtype):  # type: ignore[no-untyped-def]
+def _output_values_shape(output: torch.Tensor, flags_key: int, dtype: torch.dtype) -> torch.Tensor:
     return output.new_empty(outputs.accumulator_count() - 1, dtype=dtype)
 
 
@@ -104,7 +106,8 @@ def _define_ops() -> "torch.library.Library | None":
     process defined them first (their kernels would read that copy's flags)."""
     if not hasattr(torch.library, "register_fake"):
         return None
-    tags = tuple(getattr(torch.Tag, name) for name in ("flexible_layout", "cudagraph_unsafe") if hasattr(torch.Tag, name))
+    tags = tuple(getattr(torch.Tag, name) for name in ("flexible_layout", "cudagraph_unsafe")
+                 if hasattr(torch.Tag, name))  # fmt: skip
     try:
         library = torch.library.Library("gradwatch", "DEF")
         for name, (schema, kernel, shapes) in _SCHEMAS.items():

@@ -45,10 +45,10 @@ What dynamo needs, each measured on torch 2.13 (tests/test_compile.py keeps them
   reading it never waits for the device). Backward: the hook is on every step's output and
   computes its statistics in such a branch too (for 4-D and larger operands, whose layout
   inductor may change after tracing, an opaque op that branches when it runs: ``host_branch.py``,
-  ``grad_tap.RELAID_NDIM``). Computed at every step and
-  masked, the backward's measured 1.13x on the compiled Transformer against 1.03x, the forward's
-  1.024 against 1.013 there (benchmarks/RESULTS.md), although they fuse into the forward check's
-  kernel: float64 squares and a count over every output element. Eager taps read the Python bool and skip the work.
+  ``grad_tap.RELAID_NDIM``). Computed at every step and masked, the backward's measured 1.13x on
+  the compiled Transformer against 1.03x, the forward's 1.024 against 1.013 there
+  (benchmarks/RESULTS.md), although they fuse into the forward check's kernel: float64 squares
+  and a count over every output element. Eager taps read the Python bool and skip the work.
 - The tensor hook returns its gradient unchanged (returning None fails under compiled autograd).
 """
 
