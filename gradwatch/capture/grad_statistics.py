@@ -17,6 +17,7 @@ import math
 import torch
 
 from ..registry import outputs
+from . import cpu_rows
 
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 
@@ -94,7 +95,7 @@ class GradStatistics:
         judged = self.judged(g)
         if ndim >= 3 and self.unit_dim(ndim) == 1:
             # (N, C, *spatial): one norm per (sample, channel) over positions, in any layout.
-            rows = torch.linalg.vector_norm(g, 2, dim=tuple(range(2, ndim)), dtype=acc)
+            rows = self._channel_rows(g)
             if not judged:
                 return rows.square().sum(), None, 0.0
             # Per channel over samples and positions. The samples are the N examples, not
@@ -118,6 +119,15 @@ class GradStatistics:
             weights = weights.to(rows.dtype)
         return sq, torch.mv(rows.t(), weights), float(n)
 
+    def _channel_rows(self, g: torch.Tensor) -> torch.Tensor:
+        """(N, C, *spatial) -> each (sample, channel)'s norm over positions, (N, C) in the cells' dtype:
+        one float64 reduction where traced, float32 rows with a float64 redo where ``capture.cpu_rows``
+        applies (eager taps outside float32 windows, and a compiled conv net's sampled steps, which
+        run :meth:`of` eagerly: ``host_branch``)."""
+        if outputs.CPU_ROWS and self.dtype == torch.float64 and cpu_rows.applies(g):
+            return cpu_rows.channel_row_squares(g, self.dtype).sqrt()
+        return torch.linalg.vector_norm(g, 2, dim=tuple(range(2, g.ndim)), dtype=self.dtype)
+
     def record(self, g: torch.Tensor, sq: torch.Tensor, units: torch.Tensor, first: bool) -> float:
         """Eager: fold one output gradient's statistics (those of :meth:`of`) into the layer's cells.
 
@@ -137,7 +147,7 @@ class GradStatistics:
         fast = self._float32_rows(g)
         if ndim >= 3 and self.unit_dim(ndim) == 1:
             # (N, C, *spatial): as in :meth:`of`, per (sample, channel) over positions, then per channel.
-            rows = self._row_norms(g, tuple(range(2, ndim)), fast)
+            rows = self._row_norms(g, tuple(range(2, ndim)), True) if fast else self._channel_rows(g)
             _write(_sum_all, (rows.square(),), sq, first)
             if not self.judged(g):
                 return 0.0

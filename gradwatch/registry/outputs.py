@@ -18,6 +18,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..capture import cpu_rows
+
 
 @dataclass(frozen=True)
 class OutputStatistic:
@@ -66,14 +68,19 @@ def float32_is_exact(values: np.ndarray, bounds: tuple[float, float] = FLOAT32_S
 
 #: Elements per row of the CPU's float32 sum of squares (see ``_sum_of_squares``).
 _CPU_ROW = 1024
-#: Whether the CPU norms float32 rows where the last window allows it: act_rms's sums of squares
-#: here, the output gradients' rows in ``capture.grad_statistics`` (one switch: tests of the
-#: accelerators' op counts turn it off, as there float64 accumulation is memory-bound and the
-#: rows add ops).
+#: Whether the CPU takes its own faster reductions: float32 rows where the last window allows it
+#: (act_rms's sums of squares here, the output gradients' rows in ``capture.grad_statistics``),
+#: and exact float32 rows with a float64 redo for large outputs elsewhere (``capture.cpu_rows``).
+#: One switch: tests of the accelerators' op counts turn it off,
+#: as there float64 accumulation is memory-bound and these add ops.
 CPU_ROWS = True
 
 
 def _sum_of_squares(out: torch.Tensor, dtype: torch.dtype, exact: bool) -> list[torch.Tensor]:
+    if exact and CPU_ROWS and dtype == torch.float64 and cpu_rows.applies(out):
+        # exact at any magnitude, at float32's speed: float32 rows, those it could not hold redone
+        # (outside compiled code: a decision on the values, which on the CPU reads host memory)
+        return [cpu_rows.square_sum(out, dtype)]
     if exact or out.dtype != torch.float32:
         # in the cells' dtype (float64): exact at any magnitude (the reduction copies the output)
         return [torch.linalg.vector_norm(out, dtype=dtype).square()]

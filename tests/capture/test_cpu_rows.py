@@ -1,0 +1,155 @@
+"""Exact sums of squares of float32 CPU tensors through float32 rows and a float64 redo
+(``gradwatch/capture/cpu_rows.py``), each against the test's own float64 computation, at the
+magnitudes where float32 squares underflow (~1e-25) or overflow (~1e22), in both layouts the
+convolutions hand over."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gradwatch import GradMonitor, registry
+from gradwatch.capture import cpu_rows, host_branch
+from gradwatch.capture.grad_statistics import GradStatistics
+from gradwatch.capture.taps import RecordingFlags
+
+_SHAPE = (16, 16, 32, 32)  # 262144 elements: cpu_rows.MIN_ELEMENTS, where the redo is worth it
+
+
+def _extreme_rows() -> torch.Tensor:
+    """(N, C, H, W) float32 whose (sample, channel) rows are normal, tiny (float32 squares vanish),
+    huge (they overflow), zero, or hold a NaN or an inf."""
+    torch.manual_seed(0)
+    x = torch.randn(_SHAPE)
+    x[0] *= 1e-25
+    x[1, :4] *= 1e22
+    x[2, 3] = 0.0
+    x[3, 5, 7, 9] = float("nan")
+    x[4, 6, 1, 2] = float("inf")
+    x[5, 7] *= 1e-44  # float32 subnormals themselves
+    return x
+
+
+def _layouts(x: torch.Tensor) -> list[torch.Tensor]:
+    return [x.contiguous(), x.contiguous(memory_format=torch.channels_last)]
+
+
+def test_rows_of_any_magnitude_equal_the_float64_sums_in_both_layouts():
+    x = _extreme_rows()
+    want = x.double().square().sum(dim=(2, 3))
+    assert cpu_rows.applies(x)
+    for layout in _layouts(x):
+        got = cpu_rows.channel_row_squares(layout, torch.float64)
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0, equal_nan=True)
+        # the rows float32 could not hold are float64's own sums, not approximately
+        torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=0)
+        torch.testing.assert_close(got[1, :4], want[1, :4], rtol=1e-12, atol=0)
+    # the test means something: float32 squares of those rows vanish or overflow
+    plain = x.square().sum(dim=(2, 3))
+    assert (plain[0] == 0).all() and torch.isinf(plain[1, :4]).all() and (want[0] > 0).all()
+
+
+def test_a_whole_tensor_s_sum_equals_the_float64_sum_at_any_magnitude_and_layout():
+    torch.manual_seed(1)
+    for scale in (1.0, 1e-25, 1e22, 1e-44):
+        x = torch.randn(_SHAPE) * scale
+        want = x.double().square().sum()
+        assert want > 0 and torch.isfinite(want)
+        for layout in _layouts(x):
+            got = cpu_rows.square_sum(layout, torch.float64)
+            torch.testing.assert_close(got, want, rtol=1e-7, atol=0)
+    # a slice with gaps, and a size that is no multiple of the rows: the float64 read, as exact
+    x = torch.randn(16, 16, 32, 64)[..., ::2] * 1e-25
+    odd = torch.randn(257, 1031) * 1e22
+    for tensor in (x, odd):
+        torch.testing.assert_close(cpu_rows.square_sum(tensor, torch.float64), tensor.double().square().sum(), rtol=1e-12, atol=0)
+    nan = torch.randn(_SHAPE)
+    nan[3, 2, 1, 0] = float("nan")
+    assert torch.isnan(cpu_rows.square_sum(nan, torch.float64))
+
+
+def test_only_float32_cpu_tensors_outside_compiled_code_take_the_rows():
+    assert not cpu_rows.applies(torch.randn(_SHAPE, dtype=torch.float64))
+    assert not cpu_rows.applies(torch.randn(64, 64))  # too small to be worth the redo
+    with pytest.raises(ValueError, match="float32 CPU"):
+        cpu_rows.square_sum(torch.randn(_SHAPE, dtype=torch.float64), torch.float64)
+    with pytest.raises(ValueError, match=r"\(N, C, \*spatial\)"):
+        cpu_rows.channel_row_squares(torch.randn(512, 1024), torch.float64)
+
+    # Traced, the statistics keep their fused float64 reductions (a redo decides on values):
+    # a 3-D convolution gradient's statistics compile under fullgraph and equal the eager ones.
+    stats = GradStatistics(units=64, channel_first=True, weights=torch.ones(1 << 14), dtype=torch.float64)
+    g = torch.randn(64, 64, 4096) * 1e-25
+
+    def statistics(g: torch.Tensor):
+        return stats.deltas(g, stats.weights), registry.accumulate_all(g, torch.float64)
+
+    graphs = []
+
+    def recording(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm
+
+    compiled = torch.compile(statistics, fullgraph=True, backend=recording)
+    (sq, units), values = compiled(g)
+    assert len(graphs) == 1 and "setitem" not in graphs[0]  # no selection of rows to redo
+    (want_sq, want_units), want_values = statistics(g)
+    torch.testing.assert_close(sq, want_sq, rtol=1e-9, atol=0)
+    torch.testing.assert_close(units, want_units, rtol=1e-9, atol=0)
+    torch.testing.assert_close(values, want_values, rtol=1e-9, atol=0)
+    torch.testing.assert_close(sq[0], g.double().square().sum(), rtol=1e-9, atol=0)
+
+
+def test_the_compiled_conv_nets_ops_give_exact_statistics_of_tiny_channels_last_gradients():
+    # What a compiled conv net's sampled steps run (host_branch's kernels, eagerly at run time):
+    # a gradient of ~1e-25 in inductor's channels-last layout, one channel dead, against float64.
+    if not host_branch.DEFINED:
+        pytest.skip("the ops need torch.library.register_fake (torch >= 2.4)")
+    flags = RecordingFlags()
+    torch.manual_seed(2)
+    g = (torch.randn(_SHAPE) * 1e-25).contiguous(memory_format=torch.channels_last)
+    g[:, 3] = 0.0
+    weights = torch.ones(1 << 14)
+    sq, units = host_branch.output_grad_deltas(g, weights, flags.key, 16, True, False, torch.float64)
+    rows = g.double().square().sum(dim=(2, 3))
+    torch.testing.assert_close(sq, rows.sum().reshape(1), rtol=1e-12, atol=0)
+    torch.testing.assert_close(units, rows.sum(dim=0), rtol=1e-12, atol=0)
+    assert units[3] == 0 and (units[torch.arange(16) != 3] > 0).all()
+    values = host_branch.output_values(g, flags.key, torch.float64)
+    assert values[0] == pytest.approx(float(rows.sum()), rel=1e-12)  # act_rms's sum of squares
+    assert values[1] == float(torch.count_nonzero(g))
+    flags.sampling = False
+    sq, units = host_branch.output_grad_deltas(g, weights, flags.key, 16, True, False, torch.float64)
+    assert sq.tolist() == [0.0] and units.abs().sum() == 0  # unsampled: nothing computed
+
+
+def test_a_large_tiny_layer_keeps_exact_statistics_in_eager_training():
+    # act_rms's exact windows (every window of a layer at ~1e-25) and a channels-last convolution's
+    # output gradients (never float32 rows: GradStatistics._float32_rows) take the rows on large tensors.
+    torch.manual_seed(3)
+    conv = nn.Conv2d(3, 16, 3, padding=1).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        conv.weight.mul_(1e-25)
+        conv.bias.zero_()
+    outputs, grads = [], []
+    conv.register_forward_hook(lambda m, a, o: outputs.append(o.detach().double()))
+    monitor = GradMonitor(conv, flush_every=3, detail="full")
+    for _ in range(3):
+        out = conv(torch.randn(16, 3, 32, 32).contiguous(memory_format=torch.channels_last))
+        assert out.numel() >= cpu_rows.MIN_ELEMENTS and out.is_contiguous(memory_format=torch.channels_last)
+        out.retain_grad()
+        (out * torch.randn_like(out) * 1e-25).sum().backward()
+        grads.append(out.grad.double())
+        monitor.step()
+    window = monitor.last_window
+    monitor.close()
+    want = [float(o.square().mean().sqrt()) for o in outputs]
+    assert window.output_stats["act_rms"][:, 0].tolist() == [pytest.approx(w, rel=1e-9, abs=0) for w in want]
+    want_norms = [float(g.norm()) for g in grads]
+    assert window.out_grad_norm[:, 0].tolist() == [pytest.approx(w, rel=1e-6, abs=0) for w in want_norms]
+    assert window.dead_fraction[0] == 0.0
+    # the test means something: float32 squares of these outputs and gradients vanish
+    assert want[0] < 1e-24 and float(torch.linalg.vector_norm(outputs[0].float())) == 0.0
+    assert float(torch.linalg.vector_norm(grads[0].float())) == 0.0 < want_norms[0]
