@@ -766,7 +766,7 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
     parser.add_argument("--json", help="also write every outcome to this JSON file")
     parser.add_argument("--family", action="append", help="only these families")
     args = parser.parse_args(argv)
-    runs = quick() if args.quick else corpus(families=args.family)
+    runs = quick(families=args.family) if args.quick else corpus(families=args.family)
     start = time.perf_counter()
     outcomes = []
     logger = logging.getLogger("gradwatch")
@@ -809,10 +809,12 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
     return outcomes
 
 
-def quick() -> list[Run]:
+def quick(families: list[str] | None = None) -> list[Run]:
     """The smoke subset: every kind on the MLP and the CNN (one seed; the last-window and alternate-window
-    faults on the MLP), and three healthy recipes each (one of them 99% one class)."""
-    runs = [r for r in corpus(seeds_faulty=1, seeds_healthy=1, families=["mlp", "cnn"])]
+    faults on the MLP), and three healthy recipes each (one of them 99% one class); ``families``: of
+    those, only these."""
+    chosen = [f for f in ("mlp", "cnn") if families is None or f in families]
+    runs = [r for r in corpus(seeds_faulty=1, seeds_healthy=1, families=chosen)]
     runs = [r for r in runs if r.family == "mlp" or r.variant not in ("last window", "alternate windows")]
     return [r for r in runs if r.kind is not None or r.recipe.name in ("Adam", "warm-up + cosine, AdamW",
                                                                         "99% one class, SGD + momentum")]
