@@ -10,7 +10,7 @@ inf). Every other row's squares were normal float32 numbers, so its sum is as ex
 sums are, and the result is exact at any magnitude.
 
 Which rows to redo is a decision on the values; on the CPU that is a read of host memory, not a
-device sync (as ``capture/reductions.py``'s slots, whose check this follows). Callers take it only where :func:`applies`:
+device sync (as ``capture/reductions.py``'s slots). Callers take it only where :func:`applies`:
 eager code, and the run-time kernels of ``capture/host_branch.py``. Traced code keeps its float64
 reductions: inductor fuses their cast, and a selection whose size depends on the values would put
 data-dependent shapes into the user's graphs.
@@ -78,13 +78,9 @@ def channel_row_squares(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _redone(squares: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``squares`` (float32 sums over ``x``'s trailing dimensions) in ``dtype``, with the rows float32
-    could not hold (outside [LOW, HIGH], NaN included) summed again in ``dtype``. Whether any is
-    suspect is read on the host (CPU tensors: plain memory, no device sync); the common case, none,
-    costs a cast and two numpy reductions, not a selection."""
+    could not hold (outside [LOW, HIGH], NaN included) summed again in ``dtype``. No branch on the
+    host: where no row is suspect the redo reads an empty selection."""
     exact = squares.to(dtype)
-    values = squares.numpy()
-    if values.size == 0 or (values.min() >= LOW and values.max() <= HIGH):  # a NaN fails both
-        return exact
     suspect = ~((squares >= LOW) & (squares <= HIGH))
     again = x[suspect].to(dtype)
     exact[suspect] = again.square().sum(dim=tuple(range(1, again.ndim)))
