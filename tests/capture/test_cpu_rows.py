@@ -13,6 +13,7 @@ from gradwatch import GradMonitor, registry
 from gradwatch.capture import cpu_rows, host_branch
 from gradwatch.capture.grad_statistics import GradStatistics
 from gradwatch.capture.taps import RecordingFlags
+from tests.test_core_hygiene import count_host_reads
 
 _SHAPE = (16, 16, 32, 32)  # 262144 elements: cpu_rows.MIN_ELEMENTS, where the redo is worth it
 
@@ -68,6 +69,17 @@ def test_a_whole_tensor_s_sum_equals_the_float64_sum_at_any_magnitude_and_layout
     nan = torch.randn(_SHAPE)
     nan[3, 2, 1, 0] = float("nan")
     assert torch.isnan(cpu_rows.square_sum(nan, torch.float64))
+
+
+def test_the_rows_read_nothing_back_to_the_host(monkeypatch):
+    # The redo is chosen by a selection on the values, not by a host read: no .item(), .tolist(),
+    # .numpy() or scalar read, whether rows need it or not (they run between flushes).
+    clean, extreme = torch.randn(_SHAPE), _extreme_rows()
+    for x in (clean, extreme, extreme.contiguous(memory_format=torch.channels_last)):
+        with count_host_reads(monkeypatch) as reads:
+            cpu_rows.square_sum(x, torch.float64)
+            cpu_rows.channel_row_squares(x, torch.float64)
+        assert reads.count == 0, reads.ops
 
 
 def test_only_float32_cpu_tensors_outside_compiled_code_take_the_rows():
