@@ -9,8 +9,10 @@ above :data:`HIGH` or not finite (a square overflowed past ~3.4e38, or the row h
 inf). Every other row's squares were normal float32 numbers, so its sum is as exact as float32
 sums are, and the result is exact at any magnitude.
 
-Which rows to redo is a decision on the values; on the CPU that is a read of host memory, not a
-device sync (as ``capture/reductions.py``'s slots). Callers take it only where :func:`applies`:
+Which rows to redo is a selection on the values (a boolean mask), made without reading anything
+back to the host (no branch in Python: where no row is suspect the redo selects nothing; a numpy
+check of the sums instead saved ~0.1 ms a call, ~7% of a compiled conv net's sampled-step
+statistics, and is a host read the no-sync rule counts). Callers take it only where :func:`applies`:
 eager code, and the run-time kernels of ``capture/host_branch.py``. Traced code keeps its float64
 reductions: inductor fuses their cast, and a selection whose size depends on the values would put
 data-dependent shapes into the user's graphs.
