@@ -48,7 +48,7 @@ def square_sum(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         ValueError: ``x`` is not a float32 CPU tensor (:func:`applies`).
     """
     _check(x)
-    flat = _in_memory_order(x)
+    flat = in_memory_order(x)
     if flat is None or x.numel() % _ROW:
         return torch.linalg.vector_norm(x, dtype=dtype).square()  # an odd layout or size: the float64 read
     rows = flat.view(-1, _ROW)
@@ -89,7 +89,7 @@ def _redone(squares: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch
     return exact
 
 
-def _in_memory_order(x: torch.Tensor) -> torch.Tensor | None:
+def in_memory_order(x: torch.Tensor) -> torch.Tensor | None:
     """``x`` with its dimensions permuted into memory order (a contiguous view), or None if its
     elements do not fill one dense block (a slice with gaps, overlapping strides)."""
     order = sorted(range(x.ndim), key=lambda d: (-x.stride(d), -x.shape[d]))

@@ -79,18 +79,21 @@ CPU_ROWS = True
 def _sum_of_squares(out: torch.Tensor, dtype: torch.dtype, exact: bool) -> list[torch.Tensor]:
     if exact and CPU_ROWS and dtype == torch.float64 and cpu_rows.applies(out):
         # exact at any magnitude, at float32's speed: float32 rows, those it could not hold redone
-        # (outside compiled code: a decision on the values, which on the CPU reads host memory)
+        # (outside compiled code: which rows is a selection on the values)
         return [cpu_rows.square_sum(out, dtype)]
     if exact or out.dtype != torch.float32:
         # in the cells' dtype (float64): exact at any magnitude (the reduction copies the output)
         return [torch.linalg.vector_norm(out, dtype=dtype).square()]
     numel = out.numel()
-    if CPU_ROWS and out.device.type == "cpu" and numel >= _CPU_ROW and numel % _CPU_ROW == 0 and out.is_contiguous():
+    flat = None
+    if CPU_ROWS and out.device.type == "cpu" and numel >= _CPU_ROW and numel % _CPU_ROW == 0:
+        flat = out if out.is_contiguous() else cpu_rows.in_memory_order(out)  # channels-last too
+    if flat is not None:
         # The CPU accumulates a float32 reduction sequentially per vector lane: one norm of a
         # million-element output is off by ~1e-5 relative (1.6e-4 at 8M). Norms of 1024-element
-        # rows, combined in float64, are within ~1e-8 and faster (62 against 86 us on a
-        # (32, 32, 32, 32) output; benchmarks/RESULTS.md).
-        rows = torch.linalg.vector_norm(out.view(-1, _CPU_ROW), dim=1).to(dtype)
+        # rows (in memory order: the sum does not care), combined in float64, are within ~1e-8
+        # and faster (62 against 86 us on a (32, 32, 32, 32) output; benchmarks/RESULTS.md).
+        rows = torch.linalg.vector_norm(flat.view(-1, _CPU_ROW), dim=1).to(dtype)
         return [torch.dot(rows, rows)]
     # float32 where it is exact (see above), as many ops as the float64 path: the stack of the
     # step's accumulators is then float32 too (a count above 2**24 rounds to 6e-8 relative);

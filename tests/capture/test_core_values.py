@@ -735,21 +735,29 @@ def test_output_gradients_are_reduced_in_float32_on_the_cpu_only_where_the_last_
     assert float(torch.linalg.vector_norm(torch.full((8,), 1e-30))) == 0.0  # float32 rows of it read zero
 
 
-def test_activation_rms_of_a_large_output_in_a_float32_window_is_accurate_on_the_cpu():
+@pytest.mark.parametrize("layout", ["linear", "conv-channels-last"])
+def test_activation_rms_of_a_large_output_in_a_float32_window_is_accurate_on_the_cpu(layout):
     # #30: one float32 norm of a million-element CPU tensor accumulates sequentially per vector lane
-    # and is off by ~1e-5 relative; act_rms's float32 windows norm 1024-element rows and combine
-    # them in float64 (registry/outputs.py): within 1e-7 of the test's own float64 computation.
+    # and is off by ~1e-5 relative; act_rms's float32 windows norm 1024-element rows (in memory
+    # order: a channels-last output too) and combine them in float64 (registry/outputs.py): within
+    # 1e-7 of the test's own float64 computation.
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU())
+    if layout == "linear":
+        model, batch = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()), (1024, 1024)
+    else:
+        model, batch = nn.Sequential(nn.Conv2d(16, 64, 3, padding=1), nn.ReLU()), (16, 16, 32, 32)
+        model = model.to(memory_format=torch.channels_last)
     outputs = []
     model[0].register_forward_hook(lambda m, a, o: outputs.append(o.detach()))
     monitor = GradMonitor(model, flush_every=2, detail="full")
     tap = monitor._recorder.cells.taps[0]
     for _ in range(4):
-        model(torch.randn(1024, 1024)).sum().backward()
+        x = torch.randn(batch)
+        model(x if x.ndim == 2 else x.contiguous(memory_format=torch.channels_last)).sum().backward()
         monitor.step()
         model.zero_grad()
     assert not tap.exact_outputs  # window 2 took the float32 path
+    assert outputs[2].numel() == 1 << 20 and outputs[2].is_contiguous() == (layout == "linear")
     expected = [float(o.double().square().mean().sqrt()) for o in outputs[2:]]
     got = monitor.last_window.output_stats["act_rms"][:, 0].tolist()
     monitor.close()
