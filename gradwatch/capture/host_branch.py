@@ -77,13 +77,13 @@ def _output_values(output: torch.Tensor, flags_key: int, dtype: torch.dtype) -> 
     """Every output statistic's accumulators of one output (``registry.accumulate_all``, exact) on
     sampled steps, zeros of that width on the others."""
     if not _sampling(flags_key):
-        return output.new_zeros(outputs.accumulator_count() - 1, dtype=dtype)
+        return output.new_zeros(outputs.declared_accumulators(), dtype=dtype)
     with torch.no_grad():
         return registry.accumulate_all(output, dtype)
 
 
 def _output_values_shape(output: torch.Tensor, flags_key: int, dtype: torch.dtype) -> torch.Tensor:
-    return output.new_empty(outputs.accumulator_count() - 1, dtype=dtype)
+    return output.new_empty(outputs.declared_accumulators(), dtype=dtype)
 
 
 _SCHEMAS = {

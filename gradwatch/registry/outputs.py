@@ -130,9 +130,14 @@ OUTPUT_STATISTICS: tuple[OutputStatistic, ...] = (
 )
 
 
+def declared_accumulators() -> int:
+    """The statistics' accumulators per layer and step: the width of :func:`accumulate_all`'s result."""
+    return sum(len(s.accumulators) for s in OUTPUT_STATISTICS)
+
+
 def accumulator_count() -> int:
     """Accumulators per layer and step: the output elements, then every statistic's (0: none declared)."""
-    declared = sum(len(s.accumulators) for s in OUTPUT_STATISTICS)
+    declared = declared_accumulators()
     return 1 + declared if declared else 0
 
 
