@@ -88,8 +88,10 @@ class GradStatistics:
         tensor as ``self.weights``, which eager code reads.
 
         The sum of squares is exact at any magnitude: norms of rows accumulated in float64 (on the
-        CPU a float64 reduction over rows costs a third of one over the whole tensor), then their
-        squares summed; the rows are also what the dead-unit evidence is made of."""
+        CPU a float64 reduction over rows costs a third of one over the whole tensor; a large
+        convolution gradient's rows, outside traced code, in float32 with a float64 redo of the rows
+        float32 cannot hold: :meth:`_channel_rows`), then their squares summed; the rows are also
+        what the dead-unit evidence is made of."""
         acc = self.dtype
         ndim = g.ndim
         judged = self.judged(g)
