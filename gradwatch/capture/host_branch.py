@@ -16,8 +16,9 @@ statistics (the functions the branch would trace, run eagerly: any layout), or r
 the same shapes. They are ``cudagraph_unsafe``: a CUDA graph replays kernels without running
 Python, so inductor leaves them out of its graphs. Compiled code reaches the flags by an int key
 equal across the monitor's layers (a per-layer constant would make each block of a regionally
-compiled model its own graph). Where the ops cannot be defined (:data:`DEFINED` False), images'
-statistics are computed at every step and masked, as where ``torch.cond`` cannot be traced.
+compiled model its own graph). They also take every operand where ``torch.cond`` cannot be traced
+(a frame with Hugging Face's KV cache, compiled autograd's graph). Where the ops cannot be defined
+(:data:`DEFINED` False), those statistics are computed at every step and masked.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def _define_ops() -> "torch.library.Library | None":
             library.impl(name, kernel, "CompositeExplicitAutograd")
             torch.library.register_fake(f"gradwatch::{name}", shapes, lib=library)
     except RuntimeError as exc:  # the namespace is taken
-        log.debug("gradwatch: images' statistics are masked inside compiled code (%s)", exc)
+        log.debug("gradwatch: statistics torch.cond cannot take are masked inside compiled code (%s)", exc)
         return None
     return library
 

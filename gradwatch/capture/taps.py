@@ -340,10 +340,10 @@ class OutputTap:
         the others. Computed at every step and masked, their float64 squares and count over every
         output element cost the compiled MLP and Transformer ~1 point of their step
         (benchmarks/RESULTS.md, fifteenth session); that stays the path of a torch without
-        ``torch.cond`` in hooks, of a model whose KV cache is on (``torch.cond`` in a frame that
-        builds a ``DynamicCache`` fails ``fullgraph=True`` on a tiny GPT-2: dynamo loses an
-        attribute the cache set, as with the tensor hook: ``follow_cache_config``). Outputs inductor
-        may lay out channels-last go to an opaque op instead of the branch (``host_branch.py``)."""
+        ``torch.cond`` in hooks. Outputs inductor may lay out channels-last go to an opaque op
+        instead of the branch (``host_branch.py``), and so do all outputs of a model whose KV cache is
+        on (``torch.cond`` in a frame that builds a ``DynamicCache`` fails ``fullgraph=True`` on a tiny
+        GPT-2: dynamo loses an attribute the cache set, as with the tensor hook: ``follow_cache_config``)."""
         dtype, width = self.forward_cells.dtype, self.forward_cells.numel() - 2  # after first call, elements
         if every_step:
             return registry.accumulate_all(local, dtype)

@@ -460,6 +460,40 @@ def test_compiled_autograd_traces_the_output_gradient_hooks():
     monitor.close()
 
 
+def test_compiled_autograd_with_the_default_records_sampled_steps_only_through_the_ops(monkeypatch):
+    # torch.cond fails in compiled autograd's graph; the output-gradient statistics go to the opaque
+    # op (capture/host_branch.py), which computes them at run time on sampled steps only (until the
+    # nineteenth session: at every step, masked), equal to an eager twin's retained gradients.
+    computed = _count_statistics_at_run_time(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    twin = copy.deepcopy(model)
+    monitor = GradMonitor(model, flush_every=6)
+    run = torch.compile(model, backend=BACKEND)
+    retained = RetainedOutputs(twin, ["0", "2"])
+    counted, expected = [], []
+    for _ in range(6):
+        x, y = torch.randn(5, 8), torch.randint(0, 4, (5,))
+        retained.clear()
+        before = computed["deltas"]
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            loss = nn.functional.cross_entropy(run(x), y)
+            torch.compile(lambda: loss.backward(), backend=BACKEND)()
+        counted.append(computed["deltas"] - before)
+        nn.functional.cross_entropy(twin(x), y).backward()
+        expected.append([retained.norm(n) for n in ("0", "2")])
+        monitor.step()
+        model.zero_grad()
+        twin.zero_grad()
+    assert torch._dynamo.utils.counters["compiled_autograd"]["captures"] >= 1  # it really ran
+    monitor.flush()
+    w = monitor.last_window
+    monitor.close()
+    assert counted == [2 if w.sampled[t] else 0 for t in range(6)] and 0 < sum(w.sampled) < 6
+    for t in np.flatnonzero(w.sampled):
+        np.testing.assert_allclose(w.out_grad_norm[t], expected[t], rtol=1e-5)
+
+
 class _GraphCount:
     """A backend of one model's own: counts the graphs dynamo hands it (per model, not process-wide)."""
 
