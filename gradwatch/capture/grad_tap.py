@@ -41,18 +41,20 @@ def on_sampled_steps(shared: "DeviceTapState", compute: Callable[[torch.Tensor],
                      opaque: Callable[[torch.Tensor], tuple]) -> tuple:  # fmt: skip
     """Inside compiled code: ``compute(operand)`` on sampled steps, ``zeros(operand)`` (the same
     shapes) on the others, as a tuple of tensors. ``shared``: the device's ``cells.DeviceTapState``.
-    ``branch``: in a branch the graph takes at run time on the host's flag (``torch.cond`` on
-    ``shared.plan.on_host``, a CPU tensor: reading it never waits for the device), so unsampled
-    steps pay nothing; for operands of ``RELAID_NDIM`` or more dimensions, ``opaque(operand)``: the
-    same computation as an op of ``host_branch.py``, which reads the flag when it runs; that op too
-    where ``torch.cond`` cannot be traced (compiled autograd's graph, a frame with Hugging Face's KV
-    cache). Otherwise (a torch before 2.13, untested with either; a process where the ops could not
-    be defined) computed at every step and kept where the device's flag ``shared.sampled`` says so (a non-finite value of an unsampled step cannot leak:
-    ``where`` selects, it does not multiply)."""
-    if branch and operand.ndim < RELAID_NDIM:
-        return tuple(torch.cond(shared.plan.on_host, compute, zeros, (operand,)))
-    if _compat.COND_IN_HOOKS and host_branch.DEFINED:
-        return tuple(opaque(operand))
+    ``branch``: ``torch.cond`` can be traced in the caller's frame (not in compiled autograd's graph,
+    nor in a frame with Hugging Face's KV cache): then a branch the graph takes at run time on the
+    host's flag (``shared.plan.on_host``, a CPU tensor: reading it never waits for the device), so
+    unsampled steps pay nothing. For operands of ``RELAID_NDIM`` or more dimensions, and where the
+    branch cannot be traced, ``opaque(operand)``: the same computation as an op of
+    ``host_branch.py``, which reads the flag when it runs. Otherwise (a torch before 2.13, untested
+    with either; a process where the ops could not be defined) computed at every step and kept where
+    the device's flag ``shared.sampled`` says so (a non-finite value of an unsampled step cannot
+    leak: ``where`` selects, it does not multiply)."""
+    if _compat.COND_IN_HOOKS:
+        if branch and operand.ndim < RELAID_NDIM:
+            return tuple(torch.cond(shared.plan.on_host, compute, zeros, (operand,)))
+        if host_branch.DEFINED:
+            return tuple(opaque(operand))
     return tuple(torch.where(shared.sampled, value, 0.0) for value in compute(operand))
 
 
@@ -132,9 +134,9 @@ class GradTap:
         ``torch.cond`` may not write its inputs)."""
         count, stats, cells, weights = shared.sampled_count, self.grad_stats, self.grad_cells, shared.weights
         cells[1:2].add_(count)
-        # Compiled autograd traces this hook into its own graph, where torch.cond fails (and a
-        # torch before 2.13 is untested with it): there the statistics go to the opaque op.
-        branch = _compat.COND_IN_HOOKS and not _compat.in_compiled_autograd()
+        # Compiled autograd traces this hook into its own graph, where torch.cond fails: there the
+        # statistics go to the opaque op.
+        branch = not _compat.in_compiled_autograd()
         key = shared.plan.key
 
         def opaque(t: torch.Tensor) -> tuple:

@@ -348,7 +348,7 @@ class OutputTap:
         if every_step:
             return registry.accumulate_all(local, dtype)
         shared = self.shared
-        branch = _compat.COND_IN_HOOKS and not shared.plan.grads_through_function
+        branch = not shared.plan.grads_through_function  # torch.cond fails in a KV cache's frame
         key = shared.plan.key
         (values,) = on_sampled_steps(shared, lambda t: (registry.accumulate_all(t, dtype),),
                                      lambda t: (t.new_zeros(width, dtype=dtype),), local, branch,
