@@ -66,8 +66,6 @@ def float32_is_exact(values: np.ndarray, bounds: tuple[float, float] = FLOAT32_S
     return bool(recorded.size) and bool(np.all((recorded >= low) & (recorded <= high)))
 
 
-#: Elements per row of the CPU's float32 sum of squares (see ``_sum_of_squares``).
-_CPU_ROW = 1024
 #: Whether the CPU takes its own faster reductions: float32 rows where the last window allows it
 #: (act_rms's sums of squares here, the output gradients' rows in ``capture.grad_statistics``),
 #: and exact float32 rows with a float64 redo for large outputs elsewhere (``capture.cpu_rows``).
@@ -84,17 +82,14 @@ def _sum_of_squares(out: torch.Tensor, dtype: torch.dtype, exact: bool) -> list[
     if exact or out.dtype != torch.float32:
         # in the cells' dtype (float64): exact at any magnitude (the reduction copies the output)
         return [torch.linalg.vector_norm(out, dtype=dtype).square()]
-    numel = out.numel()
-    flat = None
-    if CPU_ROWS and out.device.type == "cpu" and numel >= _CPU_ROW and numel % _CPU_ROW == 0:
-        flat = out if out.is_contiguous() else cpu_rows.in_memory_order(out)  # channels-last too
-    if flat is not None:
+    rows = cpu_rows.memory_rows(out) if CPU_ROWS and out.device.type == "cpu" else None
+    if rows is not None:
         # The CPU accumulates a float32 reduction sequentially per vector lane: one norm of a
         # million-element output is off by ~1e-5 relative (1.6e-4 at 8M). Norms of 1024-element
-        # rows (in memory order: the sum does not care), combined in float64, are within ~1e-8
-        # and faster (62 against 86 us on a (32, 32, 32, 32) output; benchmarks/RESULTS.md).
-        rows = torch.linalg.vector_norm(flat.view(-1, _CPU_ROW), dim=1).to(dtype)
-        return [torch.dot(rows, rows)]
+        # rows (in memory order: channels-last too), combined in float64, are within ~1e-8 and
+        # faster (62 against 86 us on a (32, 32, 32, 32) output; benchmarks/RESULTS.md).
+        norms = torch.linalg.vector_norm(rows, dim=1).to(dtype)
+        return [torch.dot(norms, norms)]
     # float32 where it is exact (see above), as many ops as the float64 path: the stack of the
     # step's accumulators is then float32 too (a count above 2**24 rounds to 6e-8 relative);
     # accurate to ~1e-7 on accelerators (tree reductions) and on small CPU outputs
