@@ -7,14 +7,14 @@ version counters (``capture/freshness.py``)."""
 
 from . import deepspeed, fsdp1, parallel
 from .amp import scaler_scale, scaler_unscaled
-from .autograd import COND_IN_HOOKS, in_backward, in_compiled_autograd, in_reentrant_checkpoint
+from .autograd import OPS_IN_HOOKS, in_backward, in_reentrant_checkpoint
 from .dynamo import (
     at_recompile_limit, forget_compiled_frames, guard_on_hooks, is_compiled_wrapper, model_code, release_hook_guards,
     unwrap, user_name,
 )  # fmt: skip
 
 __all__ = [
-    "COND_IN_HOOKS", "deepspeed", "fsdp1", "parallel", "scaler_scale", "scaler_unscaled", "in_backward", "in_compiled_autograd", "in_reentrant_checkpoint",
+    "OPS_IN_HOOKS", "deepspeed", "fsdp1", "parallel", "scaler_scale", "scaler_unscaled", "in_backward", "in_reentrant_checkpoint",
     "at_recompile_limit", "forget_compiled_frames", "guard_on_hooks", "model_code", "is_compiled_wrapper",
     "release_hook_guards", "unwrap", "user_name",
 ]

@@ -40,16 +40,7 @@ def in_reentrant_checkpoint() -> bool:
     return False
 
 
-def in_compiled_autograd() -> bool:
-    """Whether this runs inside a backward that compiled autograd traces
-    (``torch._dynamo.config.compiled_autograd``): a tensor hook is then traced into its graph, where
-    ``torch.cond`` cannot be (torch 2.13). False where the private flag is missing."""
-    module = sys.modules.get("torch._dynamo.compiled_autograd")
-    config = sys.modules.get("torch._dynamo.config")
-    return bool(getattr(module, "in_compiled_autograd_region", False) or getattr(config, "compiled_autograd", False))
-
-
-#: ``torch.cond`` traced inside a backward tensor hook, on a CPU predicate, as compiled taps use it:
-#: measured on torch 2.13 only (earlier releases call cond a prototype "without training support");
-#: elsewhere compiled taps compute the output-gradient statistics at every step and mask them.
-COND_IN_HOOKS = torch.__version__ >= (2, 13)  # torch's TorchVersion: a 2.13 pre-release counts as older
+#: Compiled taps' opaque ops (``capture/host_branch.py``: mutating custom ops called from forward
+#: and backward hooks, inside compiled autograd's graph too): measured on torch 2.13 only; elsewhere
+#: compiled taps compute their sampled statistics at every step and mask them.
+OPS_IN_HOOKS = torch.__version__ >= (2, 13)  # torch's TorchVersion: a 2.13 pre-release counts as older

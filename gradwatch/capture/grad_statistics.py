@@ -2,12 +2,9 @@
 
 Used by the layer's tensor hook (``taps.OutputTap``), eagerly and inside compiled code, so every
 function here is traceable: tensor ops and facts fixed at attach (the layer's units and where
-they are), nothing else. Inside compiled code the hook computes these in one branch of
-``torch.cond`` on sampled steps (:meth:`GradStatistics.deltas`) and zeros of the same shapes in
-the other (:meth:`GradStatistics.no_deltas`). The branches read no cell of the step: cells are
-aliases of one storage, and ``torch.cond`` refuses a branch whose inputs alias each other ("might
-be aliasing the input"); nor may a branch write its inputs. So they return deltas computed from
-the gradient alone, which the hook adds to its cells.
+they are), nothing else. Compiled taps take :meth:`GradStatistics.deltas` (what a sampled step adds
+to the cells, computed from the gradient alone): run eagerly by the opaque op of ``host_branch.py``
+on sampled steps, or in the graph at every step where the op is not in use (then masked).
 """
 
 from __future__ import annotations
@@ -75,10 +72,6 @@ class GradStatistics:
         sq, evidence, _ = self.of(g, weights)
         units = evidence.square().to(self.dtype) if evidence is not None else g.new_zeros(0, dtype=self.dtype)
         return sq.to(self.dtype).reshape(1), units
-
-    def no_deltas(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What an unsampled step adds: zeros of the shapes of :meth:`deltas`."""
-        return g.new_zeros(1, dtype=self.dtype), g.new_zeros(self.units if self.judged(g) else 0, dtype=self.dtype)
 
     def of(self, g: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """(sum of squares, per-unit evidence or None, the samples behind it) of one output gradient:

@@ -4,8 +4,8 @@ layer's backward cells (``taps.py`` says what may run there: traceable tensor op
 Eager, on sampled steps only: the sum of squares is written into its cell at the layer's first
 gradient of the step (``out=``) and added after it, the dead-unit evidence is added in the cells'
 float64, and the calls and samples are host counts (``host_cells.py``). Inside compiled code the
-counts are device cells, and the statistics are computed in a branch of ``torch.cond`` on the
-host's sampling flag (or at every step with ``detail="full"``).
+counts are device cells, written on sampled steps by an opaque op that reads the host's sampling
+flag when it runs (``host_branch.py``; or, with ``detail="full"``, by the graph at every step).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .. import _compat
 from ..distributed.sharding import local_tensor
 from . import host_branch
 from .grad_statistics import GradStatistics
@@ -26,36 +25,13 @@ if TYPE_CHECKING:
 _set_grad_enabled = torch._C._set_grad_enabled  # traceable, and cheaper than detach() per call
 
 
-#: Operands of this many dimensions or more (images, volumes: convolution outputs and their gradients)
-#: never go to a ``torch.cond`` branch: inductor may lay them out channels-last (layout optimisation)
-#: after the branch was compiled for their traced strides, or contiguous where they were traced
-#: channels-last, and the branch then fails its stride assert at the first sampled step (torch 2.13:
-#: the forward's output statistics on a small conv net, the backward's gradient statistics on a
-#: ResNet-18; ``tests/compile/test_compile.py`` holds it). They go to an opaque op that branches on
-#: the host's flag at run time instead (``host_branch.py``).
-RELAID_NDIM = 4
-
-
-def on_sampled_steps(shared: "DeviceTapState", compute: Callable[[torch.Tensor], tuple],
-                     zeros: Callable[[torch.Tensor], tuple], operand: torch.Tensor, branch: bool,
-                     opaque: Callable[[torch.Tensor], tuple]) -> tuple:  # fmt: skip
-    """Inside compiled code: ``compute(operand)`` on sampled steps, ``zeros(operand)`` (the same
-    shapes) on the others, as a tuple of tensors. ``shared``: the device's ``cells.DeviceTapState``.
-    ``branch``: ``torch.cond`` can be traced in the caller's frame (not in compiled autograd's graph,
-    nor in a frame with Hugging Face's KV cache): then a branch the graph takes at run time on the
-    host's flag (``shared.plan.on_host``, a CPU tensor: reading it never waits for the device), so
-    unsampled steps pay nothing. For operands of ``RELAID_NDIM`` or more dimensions, and where the
-    branch cannot be traced, ``opaque(operand)``: the same computation as an op of
-    ``host_branch.py``, which reads the flag when it runs. Otherwise (a torch before 2.13, untested
-    with either; a process where the ops could not be defined) computed at every step and kept where
-    the device's flag ``shared.sampled`` says so (a non-finite value of an unsampled step cannot
-    leak: ``where`` selects, it does not multiply)."""
-    if _compat.COND_IN_HOOKS:
-        if branch and operand.ndim < RELAID_NDIM:
-            return tuple(torch.cond(shared.plan.on_host, compute, zeros, (operand,)))
-        if host_branch.DEFINED:
-            return tuple(opaque(operand))
-    return tuple(torch.where(shared.sampled, value, 0.0) for value in compute(operand))
+def masked(shared: "DeviceTapState", values: tuple) -> tuple:
+    """``values`` on sampled steps, zeros on the others, by the device's flag ``shared.sampled``
+    (``shared``: the device's ``cells.DeviceTapState``): compiled taps' path where the opaque ops of
+    ``host_branch.py`` are not in use (:data:`host_branch.IN_USE`), which computes at every step
+    what only sampled steps keep. A non-finite value of an unsampled step cannot leak: ``where``
+    selects, it does not multiply."""
+    return tuple(torch.where(shared.sampled, value, 0.0) for value in values)
 
 
 class GradTap:
@@ -128,22 +104,17 @@ class GradTap:
             cells[2:3].add_(samples)
 
     def _record_traced(self, g: torch.Tensor, shared: "DeviceTapState") -> None:
-        """``_record`` inside compiled code: the statistics are computed on sampled steps only,
-        by a branch the graph takes at run time on the host's flag (``torch.cond``; a CPU tensor, so
-        reading it never waits for the device), and added to the cells as deltas (a branch of
-        ``torch.cond`` may not write its inputs)."""
-        count, stats, cells, weights = shared.sampled_count, self.grad_stats, self.grad_cells, shared.weights
+        """``_record`` inside compiled code: on sampled steps only, by the opaque op that reads the
+        host's flag when it runs (``host_branch.py``: nothing on the others, no statistics compiled
+        into the graph); where it is not in use, computed at every step and masked."""
+        stats, cells, weights = self.grad_stats, self.grad_cells, shared.weights
+        if host_branch.IN_USE:
+            host_branch.add_output_grad(g, cells, self.units, weights, shared.plan.key, stats.units,
+                                        stats.channel_first, stats.unit_sums)  # fmt: skip
+            return
+        count = shared.sampled_count
         cells[1:2].add_(count)
-        # Compiled autograd traces this hook into its own graph, where torch.cond fails: there the
-        # statistics go to the opaque op.
-        branch = not _compat.in_compiled_autograd()
-        key = shared.plan.key
-
-        def opaque(t: torch.Tensor) -> tuple:
-            return host_branch.output_grad_deltas(t, weights, key, stats.units, stats.channel_first, stats.unit_sums,
-                                                  stats.dtype)  # fmt: skip
-
-        sq, evidence = on_sampled_steps(shared, lambda t: stats.deltas(t, weights), stats.no_deltas, g, branch, opaque)
+        sq, evidence = masked(shared, stats.deltas(g, weights))
         cells[0:1].add_(sq)
         if stats.judged(g):
             self.units.add_(evidence)

@@ -1,24 +1,31 @@
-"""Statistics of operands inductor may lay out anew (images, volumes), on sampled steps only,
-inside compiled code: opaque ops that branch on the host's sampling flag at run time.
+"""What only sampled steps record, inside compiled code: opaque ops that add into the taps' cells
+when their monitor's step is sampled, and do nothing on the others.
 
-A ``torch.cond`` branch is compiled for its operand's traced strides, and inductor's layout
-optimisation may hand a convolution's output or output gradient to it channels-last (or
-contiguous where it was traced channels-last): the branch fails its stride assert at the first
-sampled step (``grad_tap.RELAID_NDIM``). Computed at every step and masked instead, a conv net's
-statistics cost it their full read at every step (the standard CNN compiled: 1.08x its unmonitored
-step, against 1.03x for the floor of what the default must read; through these ops 1.005x,
-benchmarks/RESULTS.md).
+Compiled taps record their statistics on sampled steps only, without a graph per kind of step (a
+Python flag dynamo guards on doubles every compiled model's graphs: ``taps.py``). Each tap calls
+one op of this module (forward: ``mark_output``; backward: ``add_output_grad``) that, when it runs,
+reads its monitor's ``RecordingFlags.sampling`` (a Python bool on the host: no device read) and on
+sampled steps computes the statistics eagerly (the functions eager taps use: exact at any layout
+and magnitude, ``cpu_rows.py`` on the CPU) straight into the cells it is handed; on the others it
+returns at once. In the graph each is one call of a mutating custom op: inductor hands it the
+operand in whatever layout it chose (``flexible_layout``: a channels-last convolution output too),
+compiles no code for the statistics, and the graph stays cacheable.
 
-The two ops here are that branch as custom ops: inductor hands them the buffer as laid out
-(``flexible_layout``) and cannot see into them; at run time each reads its monitor's
-``RecordingFlags.sampling`` (a Python bool on the host: no device read) and computes the
-statistics (the functions the branch would trace, run eagerly: any layout), or returns zeros of
-the same shapes. They are ``cudagraph_unsafe``: a CUDA graph replays kernels without running
-Python, so inductor leaves them out of its graphs. Compiled code reaches the flags by an int key
-equal across the monitor's layers (a per-layer constant would make each block of a regionally
-compiled model its own graph). They also take every operand where ``torch.cond`` cannot be traced
-(a frame with Hugging Face's KV cache, compiled autograd's graph). Where the ops cannot be defined
-(:data:`DEFINED` False), those statistics are computed at every step and masked.
+Measured on the compiled standard workloads (torch 2.13, benchmarks/RESULTS.md, twentieth
+session): a branch of ``torch.cond`` per layer and direction, which these ops replaced, cost about
+as much a call at run time (~12 us against ~10) but made inductor compile two subgraphs per branch
+and bypass its FX graph cache ("Can't cache HigherOrderOperator: cond"): the compiled MLP's first
+step took 38 s with a cold cache and 22 s with a warm one (12 and 1.8 s unmonitored), the
+Transformer's 101 and 71 s (31 and 3 s). Ops that return their statistics (zeros on unsampled
+steps, added to the cells in the graph) cost ~30 us a call: the allocation, the output's checks
+and the add.
+
+The ops are ``cudagraph_unsafe``: a CUDA graph replays kernels without running Python, so inductor
+leaves them out of its graphs. Compiled code reaches the flags by an int key equal across the
+monitor's layers (a per-layer constant would make each block of a regionally compiled model its
+own graph). Where the ops cannot be defined, or on a torch before 2.13 (untested there:
+:data:`IN_USE`), compiled taps compute these statistics at every step and keep them where the
+device's sampling flag says so.
 """
 
 from __future__ import annotations
@@ -30,8 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import registry
-from ..registry import outputs
+from .. import _compat, registry
 from .grad_statistics import GradStatistics
 
 if TYPE_CHECKING:
@@ -41,14 +47,21 @@ log = logging.getLogger("gradwatch")
 
 #: key -> the monitor's recording flags, while the monitor lives
 _FLAGS: "weakref.WeakValueDictionary[int, RecordingFlags]" = weakref.WeakValueDictionary()
-_KEYS = itertools.count(1)
 
 
 def register(flags: "RecordingFlags") -> int:
-    """The key by which the ops below read ``flags`` (held weakly: a closed monitor's ops record nothing)."""
-    key = next(_KEYS)
+    """The key by which the ops below read ``flags`` (held weakly: a collected monitor's ops record
+    nothing): the smallest one free, so that a monitor attached after another one closed
+    (:func:`release`) passes compiled code the same int constant, and dynamo's guard on it holds
+    (a new key at each attach made each attach -> close cycle a new graph)."""
+    key = next(k for k in itertools.count(1) if k not in _FLAGS)
     _FLAGS[key] = flags
     return key
+
+
+def release(key: int) -> None:
+    """The monitor of ``key`` closed: its ops record nothing from now on, and the key is free."""
+    _FLAGS.pop(key, None)
 
 
 def _sampling(key: int) -> bool:
@@ -56,73 +69,78 @@ def _sampling(key: int) -> bool:
     return flags is not None and flags.sampling
 
 
-def _output_grad_deltas(grad: torch.Tensor, weights: torch.Tensor, flags_key: int, units: int, channel_first: bool,
-                        unit_sums: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``GradStatistics.deltas`` of one output gradient on sampled steps, ``no_deltas`` on the others
-    (the layer's facts are arguments: they are equal across layers of the same shape)."""
-    stats = GradStatistics(units, channel_first, weights, dtype)
+def _add_output_grad(grad: torch.Tensor, cells: torch.Tensor, units: torch.Tensor, weights: torch.Tensor,
+                     flags_key: int, unit_count: int, channel_first: bool, unit_sums: bool) -> None:  # fmt: skip
+    """On sampled steps, one output gradient into its layer's backward cells (``cells``: sum of
+    squares, calls, samples; ``units``: its dead-unit evidence), as ``GradStatistics.deltas``
+    computes them (the layer's facts are arguments: they are equal across layers of the same
+    shape). Nothing on the others."""
+    if not _sampling(flags_key):
+        return
+    stats = GradStatistics(unit_count, channel_first, weights, cells.dtype)
     stats.unit_sums = unit_sums
-    if not _sampling(flags_key):
-        return stats.no_deltas(grad)
     with torch.no_grad():
-        return stats.deltas(grad, weights)
+        sq, evidence = stats.deltas(grad, weights)
+        cells[0:1].add_(sq)
+        cells[1:2].add_(1.0)
+        if stats.judged(grad):
+            units.add_(evidence)
+            cells[2:3].add_(stats.samples(grad))
 
 
-def _output_grad_deltas_shapes(grad: torch.Tensor, weights: torch.Tensor, flags_key: int, units: int,
-                               channel_first: bool, unit_sums: bool,
-                               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    return GradStatistics(units, channel_first, weights, dtype).no_deltas(grad)
-
-
-def _output_values(output: torch.Tensor, flags_key: int, dtype: torch.dtype) -> torch.Tensor:
-    """Every output statistic's accumulators of one output (``registry.accumulate_all``, exact) on
-    sampled steps, zeros of that width on the others."""
+def _mark_output(output: torch.Tensor, cells: torch.Tensor, clock: torch.Tensor, tick: float, flags_key: int,
+                 statistics: bool) -> None:  # fmt: skip
+    """On sampled steps, one output into its layer's forward cells (its first call's clock value,
+    output elements, the declared output statistics' accumulators: ``registry/outputs.py``): the
+    forward order (the device's clock, counted down by ``tick`` at each call; a layer's cell keeps
+    its first call's, the largest) and, where ``statistics``, the elements and the statistics.
+    Nothing on the others."""
     if not _sampling(flags_key):
-        return output.new_zeros(outputs.declared_accumulators(), dtype=dtype)
+        return
     with torch.no_grad():
-        return registry.accumulate_all(output, dtype)
+        cells[0:1].clamp_min_(clock)
+        clock.sub_(tick)
+        if statistics:
+            cells[1:2].add_(output.numel())
+            cells[2:].add_(registry.accumulate_all(output, cells.dtype))
 
 
-def _output_values_shape(output: torch.Tensor, flags_key: int, dtype: torch.dtype) -> torch.Tensor:
-    return output.new_empty(outputs.declared_accumulators(), dtype=dtype)
+def _returns_nothing(*args: object) -> None:
+    """The ops' fake kernel: they return nothing (what they write is declared in their schema)."""
 
 
 _SCHEMAS = {
-    "output_grad_deltas": (
-        "(Tensor grad, Tensor weights, int flags_key, int units, bool channel_first, bool unit_sums,"
-        " ScalarType dtype) -> (Tensor, Tensor)", _output_grad_deltas, _output_grad_deltas_shapes),
-    "output_values": ("(Tensor output, int flags_key, ScalarType dtype) -> Tensor", _output_values,
-                      _output_values_shape),
+    "add_output_grad": ("(Tensor grad, Tensor(a!) cells, Tensor(b!) units, Tensor weights, int flags_key,"
+                        " int unit_count, bool channel_first, bool unit_sums) -> ()", _add_output_grad),
+    "mark_output": ("(Tensor output, Tensor(a!) cells, Tensor(b!) clock, float tick, int flags_key,"
+                    " bool statistics) -> ()", _mark_output),
 }  # fmt: skip
 
 
 def _define_ops() -> "torch.library.Library | None":
     """The ops in the ``gradwatch`` namespace, one Python kernel each for every backend
     (``CompositeExplicitAutograd``: they run with grad off). Not ``torch.library.custom_op``: its
-    Python wrappers cost ~75 us a call against ~25 here. Still dearer than a branch of
-    ``torch.cond`` (~11 us), so only images take them (the standard MLP compiled with all its
-    statistics through these ops: 1.037 its read floor, against 1.020 with ``torch.cond``; with
-    ``custom_op``, 1.064). None before torch 2.4 (no ``register_fake``; releases before 2.13 mask
-    the statistics anyway: ``_compat.COND_IN_HOOKS``), and where a second copy of gradwatch in the
-    process defined them first (their kernels would read that copy's flags)."""
+    Python wrappers cost ~75 us a call against ~25 for ``Library.impl`` (measured with ops that
+    returned their statistics). None before torch 2.4 (no ``register_fake``), and where a second
+    copy of gradwatch in the process defined them first (their kernels would read that copy's flags)."""
     if not hasattr(torch.library, "register_fake"):
         return None
     tags = tuple(getattr(torch.Tag, name) for name in ("flexible_layout", "cudagraph_unsafe")
                  if hasattr(torch.Tag, name))  # fmt: skip
     try:
         library = torch.library.Library("gradwatch", "DEF")
-        for name, (schema, kernel, shapes) in _SCHEMAS.items():
+        for name, (schema, kernel) in _SCHEMAS.items():
             library.define(name + schema, tags=tags)
             library.impl(name, kernel, "CompositeExplicitAutograd")
-            torch.library.register_fake(f"gradwatch::{name}", shapes, lib=library)
+            torch.library.register_fake(f"gradwatch::{name}", _returns_nothing, lib=library)
     except RuntimeError as exc:  # the namespace is taken
-        log.debug("gradwatch: statistics torch.cond cannot take are masked inside compiled code (%s)", exc)
+        log.debug("gradwatch: compiled taps compute their sampled statistics at every step, masked (%s)", exc)
         return None
     return library
 
 
 _LIBRARY = _define_ops()  # kept: the registrations live as long as this object
-#: whether the ops exist (else ``grad_tap.on_sampled_steps`` masks images' statistics)
-DEFINED = _LIBRARY is not None
-output_grad_deltas = torch.ops.gradwatch.output_grad_deltas.default if DEFINED else None
-output_values = torch.ops.gradwatch.output_values.default if DEFINED else None
+#: whether compiled taps record their sampled statistics through these ops (else at every step, masked)
+IN_USE = _LIBRARY is not None and _compat.OPS_IN_HOOKS
+add_output_grad = torch.ops.gradwatch.add_output_grad.default if _LIBRARY is not None else None
+mark_output = torch.ops.gradwatch.mark_output.default if _LIBRARY is not None else None

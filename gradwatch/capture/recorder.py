@@ -277,7 +277,7 @@ class Recorder:
     def drop_references(self) -> None:
         """Forget the model (close()): the taps stop, the optimizer hooks go, the parameters are dropped."""
         self.replace_updates(None)
-        self.plan.active = False
+        self.plan.close()
         self.plan.cache_configs = []
         self.discard_pending()
         self.param_stats.drop_references()

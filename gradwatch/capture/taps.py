@@ -37,18 +37,17 @@ What dynamo needs, each measured on torch 2.13 (tests/test_compile.py keeps them
   shape: an int constant that differs per layer (an offset, an index) makes every
   block of a regionally compiled model a new graph, and ``fullgraph=True`` then fails
   at the recompile limit.
-- Whether the step is sampled is *data* inside compiled code, not a Python value dynamo
-  guards on (that made each compiled shape two graphs, sampled and unsampled, and static
-  shapes reached the recompile limit twice as fast). Forward: the order clock is computed at
-  every step and kept where the device's flag says so (a few scalar ops); the output statistics
-  in a branch the graph takes at run time on the host's flag (``torch.cond`` on a CPU tensor:
-  reading it never waits for the device). Backward: the hook is on every step's output and
-  computes its statistics in such a branch too (for 4-D and larger operands, whose layout
-  inductor may change after tracing, an opaque op that branches when it runs: ``host_branch.py``,
-  ``grad_tap.RELAID_NDIM``). Computed at every step and masked, the backward's measured 1.13x on
-  the compiled Transformer against 1.03x, the forward's 1.024 against 1.013 there
-  (benchmarks/RESULTS.md), although they fuse into the forward check's kernel: float64 squares
-  and a count over every output element. Eager taps read the Python bool and skip the work.
+- Whether the step is sampled is not a Python value dynamo guards on inside compiled code (that
+  made each compiled shape two graphs, sampled and unsampled, and static shapes reached the
+  recompile limit twice as fast). What only sampled steps record (the forward order, the output
+  statistics, the output gradients' statistics) goes to opaque ops that read the host's flag when
+  they run and write the cells on sampled steps only (``host_branch.py``): no statistic is
+  compiled into the graph, and the graph stays cacheable. A branch of ``torch.cond`` on a CPU flag,
+  which they replaced, cost as much a call but two compiled subgraphs per layer and direction and
+  inductor's FX graph cache (benchmarks/RESULTS.md, twentieth session); computed at every step and
+  masked (a torch where the ops are not in use), the backward measured 1.13x on the compiled
+  Transformer against 1.03x, the forward 1.024 against 1.013. Eager taps read the Python bool and
+  skip the work.
 - The tensor hook returns its gradient unchanged (returning None fails under compiled autograd).
 """
 
@@ -63,7 +62,7 @@ from . import host_branch
 from .cells import DeviceTapState
 from .grad_passthrough import can_pass_through, pass_through
 from .grad_statistics import GradStatistics
-from .grad_tap import GradTap, on_sampled_steps
+from .grad_tap import GradTap, masked
 from .host_cells import HostCells
 from .layers import LayerSpec, grad_tensors
 from ..distributed.sharding import local_tensor
@@ -86,8 +85,6 @@ class RecordingFlags:
         self._sampling = True
         #: (sampled as bool, sampled as 0/1 in the stat dtype) on each device that holds cells
         self.device_flags: list[tuple[torch.Tensor, torch.Tensor]] = []
-        #: the same on the host (a CPU bool): what compiled taps branch on (``torch.cond``)
-        self.on_host = torch.ones((), dtype=torch.bool)
         #: how the opaque ops of compiled code find these flags (``host_branch.py``)
         self.key = host_branch.register(self)
         #: every step is sampled (``detail="full"``; fixed at attach): compiled taps need no flag
@@ -106,6 +103,12 @@ class RecordingFlags:
         #: Some tap failed since the last step (its ``failure`` says how); reported at step(), not in the hook.
         self.failed = False
 
+    def close(self) -> None:
+        """The monitor closed: the taps record nothing more (those compiled code still runs too), and
+        the ops' key is free for the next monitor (``host_branch.register``)."""
+        self.active = False
+        host_branch.release(self.key)
+
     @property
     def sampling(self) -> bool:
         return self._sampling
@@ -115,7 +118,6 @@ class RecordingFlags:
         value = bool(value)
         if value != self._sampling:
             self._sampling = value
-            self.on_host.fill_(value)
             for sampled, count in self.device_flags:
                 sampled.fill_(value)
                 count.fill_(float(value))
@@ -309,51 +311,44 @@ class OutputTap:
         self.host.add(self.host.elements, self.index, local.numel())
 
     def _record_output_traced(self, out: torch.Tensor) -> None:
-        """``record_output`` inside compiled code: every step's graph is the sampled one, and what
-        only sampled steps record is kept where this device's flag says so (see the module
-        docstring); with ``detail="full"`` (a constant for the compiled code) every step keeps it.
-        The forward check's sum fuses into the kernel that makes the output or reads it next."""
+        """``record_output`` inside compiled code: every step's graph is the sampled one; what only
+        sampled steps record goes to the opaque op that reads the host's flag when it runs
+        (``host_branch.py``), or where it is not in use is computed at every step and masked; with
+        ``detail="full"`` (a constant for the compiled code) every step records it in the graph. The
+        forward check's sum fuses into the kernel that makes the output or reads it next."""
         local = local_tensor(out)
         shared = self.shared
-        every_step = shared.plan.every_step
         cells = self.forward_cells  # [first call | output elements | output statistics]
         with torch.no_grad():
             self.forward_sum.add_(local.sum(dtype=torch.float32))
-            count = shared.sampled_count
-            if every_step:
+            if shared.plan.every_step:
                 self._advance_clock(cells[0:1])
+                if self.records_outputs:
+                    cells[2:].add_(registry.accumulate_all(local, cells.dtype))
+                    cells[1:2].add_(local.numel())
+            elif host_branch.IN_USE:
+                host_branch.mark_output(local, cells, shared.clock, shared.clock_tick, shared.plan.key,
+                                        self.records_outputs)  # fmt: skip
             else:
-                # The clock is finite and non-negative, so a product keeps it or makes it 0, which
-                # the first-call cell (zeroed at sampled steps, never negative) ignores.
-                cells[0:1].clamp_min_(shared.clock * count)
-                shared.clock.sub_(count * shared.clock_tick)
-            if self.records_outputs:
-                cells[2:].add_(self._traced_output_values(local, every_step))
-                cells[1:2].add_(local.numel() if every_step else count * local.numel())
+                self._record_output_masked(local, cells)
         if out.requires_grad and not shared.plan.grads_through_function:
             out.register_hook(self.on_output_grad)
 
-    def _traced_output_values(self, local: torch.Tensor, every_step: bool) -> torch.Tensor:
-        """The output statistics' accumulators of one call inside compiled code: at every step with
-        ``detail="full"``; otherwise computed on sampled steps only, in a branch the graph takes at
-        run time on the host's flag (``torch.cond``, as the output-gradient tap does), and zeros on
-        the others. Computed at every step and masked, their float64 squares and count over every
-        output element cost the compiled MLP and Transformer ~1 point of their step
-        (benchmarks/RESULTS.md, fifteenth session); that stays the path of a torch without
-        ``torch.cond`` in hooks. Outputs inductor may lay out channels-last go to an opaque op
-        instead of the branch (``host_branch.py``), and so do all outputs of a model whose KV cache is
-        on (``torch.cond`` in a frame that builds a ``DynamicCache`` fails ``fullgraph=True`` on a tiny
-        GPT-2: dynamo loses an attribute the cache set, as with the tensor hook: ``follow_cache_config``)."""
-        dtype, width = self.forward_cells.dtype, self.forward_cells.numel() - 2  # after first call, elements
-        if every_step:
-            return registry.accumulate_all(local, dtype)
+    def _record_output_masked(self, local: torch.Tensor, cells: torch.Tensor) -> None:
+        """What ``host_branch.mark_output`` records, computed at every step and kept on sampled ones
+        (a torch where the ops are not in use). Masked this way, the output statistics' float64
+        squares and count over every output element cost the compiled MLP and Transformer ~1 point
+        of their step (benchmarks/RESULTS.md, fifteenth session)."""
         shared = self.shared
-        branch = not shared.plan.grads_through_function  # torch.cond fails in a KV cache's frame
-        key = shared.plan.key
-        (values,) = on_sampled_steps(shared, lambda t: (registry.accumulate_all(t, dtype),),
-                                     lambda t: (t.new_zeros(width, dtype=dtype),), local, branch,
-                                     lambda t: (host_branch.output_values(t, key, dtype),))  # fmt: skip
-        return values
+        count = shared.sampled_count
+        # The clock is finite and non-negative, so a product keeps it or makes it 0, which the
+        # first-call cell (zeroed at sampled steps, never negative) ignores.
+        cells[0:1].clamp_min_(shared.clock * count)
+        shared.clock.sub_(count * shared.clock_tick)
+        if self.records_outputs:
+            (values,) = masked(shared, (registry.accumulate_all(local, cells.dtype),))
+            cells[2:].add_(values)
+            cells[1:2].add_(count * local.numel())
 
     def _check_forward(self, out: torch.Tensor, plan: RecordingFlags) -> None:
         """Add the output's sum to the step's cell (eager): one op at a layer's first call of a step (a

@@ -13,6 +13,7 @@ from gradwatch import GradMonitor, registry
 from gradwatch.capture import cpu_rows, host_branch
 from gradwatch.capture.grad_statistics import GradStatistics
 from gradwatch.capture.taps import RecordingFlags
+from gradwatch.registry import outputs
 from tests.test_core_hygiene import count_host_reads
 
 _SHAPE = (16, 16, 32, 32)  # 262144 elements: cpu_rows.MIN_ELEMENTS, where the redo is worth it
@@ -114,27 +115,37 @@ def test_only_float32_cpu_tensors_outside_compiled_code_take_the_rows():
     torch.testing.assert_close(sq[0], g.double().square().sum(), rtol=1e-9, atol=0)
 
 
-def test_the_compiled_conv_nets_ops_give_exact_statistics_of_tiny_channels_last_gradients():
-    # What a compiled conv net's sampled steps run (host_branch's kernels, eagerly at run time):
-    # a gradient of ~1e-25 in inductor's channels-last layout, one channel dead, against float64.
-    if not host_branch.DEFINED:
+def test_the_compiled_taps_ops_write_exact_statistics_of_tiny_channels_last_gradients_on_sampled_steps_only():
+    # What compiled taps' sampled steps run (host_branch's kernels, eagerly at run time): a
+    # gradient of ~1e-25 in inductor's channels-last layout, one channel dead, against float64,
+    # written into the cells they are handed; on an unsampled step they write nothing.
+    if host_branch.add_output_grad is None:
         pytest.skip("the ops need torch.library.register_fake (torch >= 2.4)")
     flags = RecordingFlags()
     torch.manual_seed(2)
     g = (torch.randn(_SHAPE) * 1e-25).contiguous(memory_format=torch.channels_last)
     g[:, 3] = 0.0
     weights = torch.ones(1 << 14)
-    sq, units = host_branch.output_grad_deltas(g, weights, flags.key, 16, True, False, torch.float64)
+    grad_cells, units = torch.zeros(3, dtype=torch.float64), torch.zeros(16, dtype=torch.float64)
+    host_branch.add_output_grad(g, grad_cells, units, weights, flags.key, 16, True, False)
     rows = g.double().square().sum(dim=(2, 3))
-    torch.testing.assert_close(sq, rows.sum().reshape(1), rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad_cells[0:1], rows.sum().reshape(1), rtol=1e-12, atol=0)
+    assert grad_cells[1:].tolist() == [1.0, _SHAPE[0]]  # one call, its images as samples
     torch.testing.assert_close(units, rows.sum(dim=0), rtol=1e-12, atol=0)
     assert units[3] == 0 and (units[torch.arange(16) != 3] > 0).all()
-    values = host_branch.output_values(g, flags.key, torch.float64)
-    assert values[0] == pytest.approx(float(rows.sum()), rel=1e-12)  # act_rms's sum of squares
-    assert values[1] == float(torch.count_nonzero(g))
+    forward = torch.zeros(2 + outputs.declared_accumulators(), dtype=torch.float64)
+    clock = torch.full((1,), 7.0, dtype=torch.float64)
+    host_branch.mark_output(g, forward, clock, 2.0, flags.key, True)
+    assert forward[0] == 7.0 and clock.tolist() == [5.0]  # its first call's clock, then counted down
+    assert forward[1] == g.numel()
+    assert forward[2] == pytest.approx(float(rows.sum()), rel=1e-12)  # act_rms's sum of squares
+    assert forward[3] == float(torch.count_nonzero(g))
     flags.sampling = False
-    sq, units = host_branch.output_grad_deltas(g, weights, flags.key, 16, True, False, torch.float64)
-    assert sq.tolist() == [0.0] and units.abs().sum() == 0  # unsampled: nothing computed
+    written = [t.clone() for t in (grad_cells, units, forward, clock)]
+    host_branch.add_output_grad(g, grad_cells, units, weights, flags.key, 16, True, False)
+    host_branch.mark_output(g, forward, clock, 2.0, flags.key, True)
+    for before, after in zip(written, (grad_cells, units, forward, clock)):
+        assert torch.equal(before, after)  # unsampled: nothing computed, nothing written
 
 
 def test_a_large_tiny_layer_keeps_exact_statistics_in_eager_training():

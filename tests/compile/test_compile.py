@@ -151,19 +151,19 @@ def test_every_statistic_inside_compiled_code_equals_the_eager_twin(mode):
     assert w.rows_seen[LAYERS.index("inp")] == 3 * 8
 
 
-@pytest.mark.parametrize("branch", [True, False], ids=["cond-branch", "masked"])
-def test_default_detail_records_sampled_steps_inside_compiled_code_and_nothing_of_the_others(branch, monkeypatch):
+@pytest.mark.parametrize("ops", [True, False], ids=["ops", "masked"])
+def test_default_detail_records_sampled_steps_inside_compiled_code_and_nothing_of_the_others(ops, monkeypatch):
     # Windows of 6 sampled every 3rd step: steps 0, 1, 3 and 6, 7 sampled. Inside compiled code
     # every step runs one graph; unsampled steps compute no output-gradient statistic and no output
-    # statistic (act_rms, act_zero_fraction: branches on the host's flag) and add zeros: the
+    # statistic (act_rms, act_zero_fraction: opaque ops that read the host's flag): the
     # infinite output gradients and the outputs of unsampled step 2 must not reach step 3, right
     # after it in the same window, nor steps 6 and 7, whose values equal the eager twin's.
-    # grad_norm is recorded at every step. "masked": the path of a torch without torch.cond in
-    # hooks (computed at every step, kept where the flag says).
-    import gradwatch._compat as compat
+    # grad_norm is recorded at every step. "masked": the path of a torch where the ops are not in
+    # use (computed at every step, kept where the device's flag says).
     from gradwatch import settings
+    from gradwatch.capture import host_branch
 
-    monkeypatch.setattr(compat, "COND_IN_HOOKS", branch)
+    monkeypatch.setattr(host_branch, "IN_USE", ops)
     monkeypatch.setitem(settings.DETAILS, "standard", 3)
     torch.manual_seed(0)
     model = Net()
@@ -461,9 +461,10 @@ def test_compiled_autograd_traces_the_output_gradient_hooks():
 
 
 def test_compiled_autograd_with_the_default_records_sampled_steps_only_through_the_ops(monkeypatch):
-    # torch.cond fails in compiled autograd's graph; the output-gradient statistics go to the opaque
-    # op (capture/host_branch.py), which computes them at run time on sampled steps only (until the
-    # nineteenth session: at every step, masked), equal to an eager twin's retained gradients.
+    # Inside compiled autograd's graph too the output-gradient statistics go to the opaque op
+    # (capture/host_branch.py), which computes them at run time on sampled steps only (until the
+    # nineteenth session: at every step, masked: torch.cond, then the rest of compiled code's
+    # branch, fails there), equal to an eager twin's retained gradients.
     computed = _count_statistics_at_run_time(monkeypatch)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -826,7 +827,7 @@ def _count_statistics_at_run_time(monkeypatch) -> dict:
 
     def counting(kind, real):
         def count(*args, **kwargs):
-            if not torch.compiler.is_compiling():  # at run time, not while tracing a torch.cond branch
+            if not torch.compiler.is_compiling():  # at run time, not while tracing
                 computed[kind] += 1
             return real(*args, **kwargs)
         return count
@@ -839,13 +840,11 @@ def _count_statistics_at_run_time(monkeypatch) -> dict:
 @pytest.mark.slow
 def test_inductor_default_detail_records_a_conv_net_s_sampled_steps_as_the_eager_twin(monkeypatch):
     # Inductor lays convolution outputs and their gradients out channels-last, or contiguous where
-    # they were traced channels-last (layout optimisation), after compiling a torch.cond branch for
-    # their traced strides: the branch failed its stride assert at the first sampled step (forward:
-    # a conv output's statistics; backward: the gradient statistics in the residual block), and
-    # training stopped. 4-D operands go to opaque ops that branch on the host's flag when they run
-    # (capture/host_branch.py), not to the masked path (their full read at every step: the
-    # compiled CNN's 1.08x against 1.005x): after compiling, the statistics' code runs once per 4-D
-    # layer on sampled steps and not at all on the others.
+    # they were traced channels-last (layout optimisation): a torch.cond branch compiled for the
+    # traced strides failed its stride assert at the first sampled step, and training stopped. The
+    # statistics run in opaque ops that read the host's flag when they run (capture/host_branch.py),
+    # on the operand as laid out: after compiling, their code runs once per layer on sampled steps
+    # and not at all on the others.
     computed = _count_statistics_at_run_time(monkeypatch)
     torch.manual_seed(0)
     model = _conv_net()
@@ -880,6 +879,6 @@ def test_inductor_default_detail_records_a_conv_net_s_sampled_steps_as_the_eager
             out_grad_norm, act_rms = expected[t][name]
             assert w.out_grad_norm[t, i] == pytest.approx(out_grad_norm, rel=1e-4), name
             assert w.output_stats["act_rms"][t, i] == pytest.approx(act_rms, rel=1e-4), name
-    images = 6  # the convolutions and batch norms; the Linear's 2-D statistics stay in torch.cond
-    assert counted[1:] == [(images, images) if w.sampled[t] else (0, 0) for t in range(1, 4)]
+    layers = len(names)  # every layer's statistics, 4-D and 2-D, through the ops
+    assert counted[1:] == [(layers, layers) if w.sampled[t] else (0, 0) for t in range(1, 4)]
     assert not w.fwd_nonfinite.any()
