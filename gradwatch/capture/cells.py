@@ -96,8 +96,13 @@ class DeviceCells:
     #: [n x (1 + K)] per layer: its first-call clock value of the step, then the declared output
     #: statistics' K accumulators (the output elements first; registry/outputs.py), in the stat dtype
     forward: torch.Tensor
-    #: [n x 3 | units] per layer (sum of squares, calls, samples), then every layer's per-unit evidence
+    #: [n x 3] per layer: its output gradients' sum of squares, calls and samples
     backward: torch.Tensor
+    #: [units] every layer's per-unit evidence, in layer order: a storage of its own, so that the op
+    #: that writes a layer's backward cells and its evidence (``host_branch.add_output_grad``) is
+    #: handed two tensors that do not alias (two aliases of one storage made inductor copy it at
+    #: every call)
+    units: torch.Tensor
     #: the clock, the sampling flag and the projection weights every tap here reads
     shared: DeviceTapState
 
@@ -118,12 +123,7 @@ class DeviceCells:
     @property
     def grad_counts(self) -> torch.Tensor:
         """[3 x n] the output gradients' sums of squares, calls and samples (a strided view)."""
-        return self.backward[: 3 * self.n].view(self.n, 3).t()
-
-    @property
-    def units(self) -> torch.Tensor:
-        """[units] every layer's per-unit evidence, in layer order."""
-        return self.backward[3 * self.n :]
+        return self.backward.view(self.n, 3).t()
 
     @classmethod
     def declare(cls, plan: "RecordingFlags", device: torch.device, members: list[int], units: int) -> "DeviceCells":
@@ -134,7 +134,8 @@ class DeviceCells:
             layers=np.array(members, dtype=np.int64),
             sums=torch.zeros(n, dtype=torch.float32, device=device),
             forward=torch.zeros(n, 1 + registry.accumulator_count(), dtype=dtype, device=device),
-            backward=torch.zeros(3 * n + units, dtype=dtype, device=device),
+            backward=torch.zeros(3 * n, dtype=dtype, device=device),
+            units=torch.zeros(units, dtype=dtype, device=device),
             shared=DeviceTapState.declare(plan, device),
         )
 
@@ -143,6 +144,7 @@ class DeviceCells:
         taps write them on sampled steps only). The forward sums are zeroed at every step, by
         the copy that moves them into the step's row (``Recorder``)."""
         self.backward.zero_()
+        self.units.zero_()
         self.forward.zero_()
         self.shared.clock.fill_(self.shared.clock_scale.start)
 
@@ -176,12 +178,11 @@ class Cells:
         self.host = HostCells(self.n_layers, ClockScale(torch.float64).tick)
         per_layer: dict[int, tuple[DeviceCells, int, int]] = {}
         for device, members in by_device.items():
-            n = len(members)
             units = [int(unit_count[i]) for i in members]
             cells = DeviceCells.declare(self.plan, device, members, sum(units))
             self.devices.append(cells)
             self.plan.device_flags.append((cells.shared.sampled, cells.shared.sampled_count))
-            offset = 3 * n
+            offset = 0
             for k, i in enumerate(members):
                 per_layer[i] = (cells, k, offset)
                 offset += units[k]
@@ -196,7 +197,7 @@ class Cells:
                     forward_sum=_alias(cells.sums, k, k + 1),
                     forward_cells=cells.forward.data[k].data,
                     grad_cells=_alias(cells.backward, 3 * k, 3 * k + 3),
-                    units=_alias(cells.backward, offset, offset + int(unit_count[i])),
+                    units=_alias(cells.units, offset, offset + int(unit_count[i])),
                 )
             )
 
@@ -206,7 +207,7 @@ class Cells:
         return sum(
             t.numel() * t.element_size()
             for cells in self.devices
-            for t in (cells.sums, cells.forward, cells.backward, *cells.shared.tensors)
+            for t in (cells.sums, cells.forward, cells.backward, cells.units, *cells.shared.tensors)
         )
 
     def follow_output_magnitudes(self, act_rms: dict[str, np.ndarray], out_grad_norm: dict[str, np.ndarray]) -> None:

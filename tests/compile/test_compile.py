@@ -846,6 +846,7 @@ def test_inductor_default_detail_records_a_conv_net_s_sampled_steps_as_the_eager
     # on the operand as laid out: after compiling, their code runs once per layer on sampled steps
     # and not at all on the others.
     computed = _count_statistics_at_run_time(monkeypatch)
+    bypassed = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_bypass"]  # process-wide: a delta
     torch.manual_seed(0)
     model = _conv_net()
     twin = copy.deepcopy(model)
@@ -881,4 +882,7 @@ def test_inductor_default_detail_records_a_conv_net_s_sampled_steps_as_the_eager
             assert w.output_stats["act_rms"][t, i] == pytest.approx(act_rms, rel=1e-4), name
     layers = len(names)  # every layer's statistics, 4-D and 2-D, through the ops
     assert counted[1:] == [(layers, layers) if w.sampled[t] else (0, 0) for t in range(1, 4)]
+    # Inductor may cache the monitored graphs, as it does the model's without gradwatch (a torch.cond
+    # branch in them made it bypass its FX graph cache, "Can't cache HigherOrderOperator: cond").
+    assert torch._dynamo.utils.counters["inductor"]["fxgraph_cache_bypass"] == bypassed
     assert not w.fwd_nonfinite.any()

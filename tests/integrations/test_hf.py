@@ -129,8 +129,9 @@ def test_a_model_compiled_fullgraph_with_the_kv_cache_on_records_every_statistic
     # whole-model graph and failed fullgraph=True (docs/reference.md); compiled taps then hand the
     # output through an autograd function instead. out_grad_norm against an unmonitored eager twin's
     # retained output gradients; graphs against the same model compiled without gradwatch. The
-    # output statistics, which torch.cond cannot take in that frame, run in the opaque op at run
-    # time on sampled steps (capture/host_branch.py), not masked inside the graph at every step.
+    # output statistics run in the opaque op at run time on sampled steps (capture/host_branch.py;
+    # torch.cond, which compiled taps used elsewhere until the twentieth session, cannot be traced
+    # in that frame), not masked inside the graph at every step.
     import numpy as np
 
     from gradwatch import GradMonitor
