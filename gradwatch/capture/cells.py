@@ -35,6 +35,27 @@ if TYPE_CHECKING:  # taps.py imports this module
 _PROJECTION_ROWS = 1 << 14
 
 
+def advance_clock(first_call: torch.Tensor, clock: torch.Tensor, tick: float) -> None:
+    """Forward order on the device: the clock counts down by ``tick`` at each call, so a layer's
+    first-call cell (``first_call``, zeroed at a recorded step's start) keeps its first call's value,
+    the largest."""
+    first_call.clamp_min_(clock)
+    clock.sub_(tick)
+
+
+def add_recorded_output(output: torch.Tensor, row: torch.Tensor, clock: torch.Tensor, tick: float,
+                        statistics: bool) -> None:  # fmt: skip
+    """Add one output of a recorded step to its layer's forward row on the device ([first call |
+    output elements | output statistics]): the forward order (:func:`advance_clock`) and, where
+    ``statistics``, the elements and the declared output statistics (``registry/outputs.py``). What
+    compiled taps record at every step with ``detail="full"`` (traced), and the opaque op of
+    ``host_branch.py`` on sampled steps (run eagerly)."""
+    advance_clock(row[0:1], clock, tick)
+    if statistics:
+        row[1:2].add_(output.numel())
+        row[2:].add_(registry.accumulate_all(output, row.dtype))
+
+
 def _alias(storage: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """Cells ``storage[start:stop]`` as a tensor of its own version counter (see ``taps.py``)."""
     return storage.data[start:stop].data

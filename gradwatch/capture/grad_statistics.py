@@ -2,9 +2,10 @@
 
 Used by the layer's tensor hook (``taps.OutputTap``), eagerly and inside compiled code, so every
 function here is traceable: tensor ops and facts fixed at attach (the layer's units and where
-they are), nothing else. Compiled taps take :meth:`GradStatistics.deltas` (what a sampled step adds
-to the cells, computed from the gradient alone): run eagerly by the opaque op of ``host_branch.py``
-on sampled steps, or in the graph at every step where the op is not in use (then masked).
+they are), nothing else. Compiled taps add a recorded step's statistics to their device cells with
+:meth:`GradStatistics.add_to_cells` (run eagerly by the opaque op of ``host_branch.py`` on sampled
+steps, or traced with ``detail="full"``); where the op is not in use they take
+:meth:`GradStatistics.deltas` in the graph at every step and mask it.
 """
 
 from __future__ import annotations
@@ -73,9 +74,22 @@ class GradStatistics:
         units = evidence.square().to(self.dtype) if evidence is not None else g.new_zeros(0, dtype=self.dtype)
         return sq.to(self.dtype).reshape(1), units
 
+    def add_to_cells(self, g: torch.Tensor, weights: torch.Tensor, cells: torch.Tensor, units: torch.Tensor) -> None:
+        """Add one output gradient of a recorded step to a layer's device cells: ``cells`` (sum of
+        squares, calls, samples) and ``units`` (its dead-unit evidence, squared); ``weights`` as in
+        :meth:`of`. What compiled code records where every step is (``detail="full"``, traced) and
+        what the opaque op of ``host_branch.py`` records on sampled steps (run eagerly)."""
+        sq, evidence, samples = self.of(g, weights)
+        cells[1:2].add_(1.0)
+        cells[0:1].add_(sq)
+        if evidence is not None:
+            units.addcmul_(evidence, evidence)
+            cells[2:3].add_(samples)
+
     def of(self, g: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """(sum of squares, per-unit evidence or None, the samples behind it) of one output gradient:
-        the form compiled code takes (:meth:`deltas`; eager taps write the same into their cells, :meth:`record`).
+        the form compiled code takes (:meth:`add_to_cells`, :meth:`deltas`; eager taps write the same
+        into their cells, :meth:`record`).
         ``weights``: the device's projection weights, handed in by compiled code (which reaches them
         through the tap's shared state, not through this object: ``capture/cells.py``); the same
         tensor as ``self.weights``, which eager code reads.

@@ -95,13 +95,7 @@ class GradTap:
     def _record_every_step(self, g: torch.Tensor, weights: torch.Tensor) -> None:
         """``_record`` inside compiled code with ``detail="full"``: every step is sampled, the
         counts are device cells (compiled code runs no host code per call)."""
-        sq, evidence, samples = self.grad_stats.of(g, weights)
-        cells = self.grad_cells  # [sum of squares, calls, samples]
-        cells[1:2].add_(1.0)
-        cells[0:1].add_(sq)
-        if evidence is not None:
-            self.units.addcmul_(evidence, evidence)
-            cells[2:3].add_(samples)
+        self.grad_stats.add_to_cells(g, weights, self.grad_cells, self.units)
 
     def _record_traced(self, g: torch.Tensor, shared: "DeviceTapState") -> None:
         """``_record`` inside compiled code: on sampled steps only, by the opaque op that reads the

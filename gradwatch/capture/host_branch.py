@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import _compat, registry
+from .. import _compat
+from .cells import add_recorded_output
 from .grad_statistics import GradStatistics
 
 if TYPE_CHECKING:
@@ -72,37 +73,25 @@ def _sampling(key: int) -> bool:
 def _add_output_grad(grad: torch.Tensor, cells: torch.Tensor, units: torch.Tensor, weights: torch.Tensor,
                      flags_key: int, unit_count: int, channel_first: bool, unit_sums: bool) -> None:  # fmt: skip
     """On sampled steps, one output gradient into its layer's backward cells (``cells``: sum of
-    squares, calls, samples; ``units``: its dead-unit evidence), as ``GradStatistics.deltas``
-    computes them (the layer's facts are arguments: they are equal across layers of the same
-    shape). Nothing on the others."""
+    squares, calls, samples; ``units``: its dead-unit evidence): ``GradStatistics.add_to_cells``
+    (the layer's facts are arguments: they are equal across layers of the same shape). Nothing on
+    the others."""
     if not _sampling(flags_key):
         return
     stats = GradStatistics(unit_count, channel_first, weights, cells.dtype)
     stats.unit_sums = unit_sums
     with torch.no_grad():
-        sq, evidence = stats.deltas(grad, weights)
-        cells[0:1].add_(sq)
-        cells[1:2].add_(1.0)
-        if stats.judged(grad):
-            units.add_(evidence)
-            cells[2:3].add_(stats.samples(grad))
+        stats.add_to_cells(grad, weights, cells, units)
 
 
 def _mark_output(output: torch.Tensor, cells: torch.Tensor, clock: torch.Tensor, tick: float, flags_key: int,
                  statistics: bool) -> None:  # fmt: skip
-    """On sampled steps, one output into its layer's forward cells (its first call's clock value,
-    output elements, the declared output statistics' accumulators: ``registry/outputs.py``): the
-    forward order (the device's clock, counted down by ``tick`` at each call; a layer's cell keeps
-    its first call's, the largest) and, where ``statistics``, the elements and the statistics.
+    """On sampled steps, one output into its layer's forward cells: ``cells.add_recorded_output``.
     Nothing on the others."""
     if not _sampling(flags_key):
         return
     with torch.no_grad():
-        cells[0:1].clamp_min_(clock)
-        clock.sub_(tick)
-        if statistics:
-            cells[1:2].add_(output.numel())
-            cells[2:].add_(registry.accumulate_all(output, cells.dtype))
+        add_recorded_output(output, cells, clock, tick, statistics)
 
 
 def _returns_nothing(*args: object) -> None:

@@ -59,7 +59,7 @@ import torch
 
 from .. import _compat, registry
 from . import host_branch
-from .cells import DeviceTapState
+from .cells import DeviceTapState, add_recorded_output, advance_clock
 from .grad_passthrough import can_pass_through, pass_through
 from .grad_statistics import GradStatistics
 from .grad_tap import GradTap, masked
@@ -234,20 +234,13 @@ class OutputTap:
         one (``host_cells.py``); one op. Float32 cells: the clock alone, counted down by every call."""
         shared = self.shared
         if not shared.host_order:
-            self._advance_clock(self.first_call)
+            advance_clock(self.first_call, shared.clock, shared.clock_tick)
             return
         step = shared.plan.step
         if self.ordered_at != step:
             self.ordered_at = step
             self.first_call.clamp_min_(shared.clock)
             self.host.order[self.index] = self.host.next_order()
-
-    def _advance_clock(self, first_call: torch.Tensor) -> None:
-        """Forward order on the device alone (compiled code with ``detail="full"``, float32 cells): the
-        clock counts down, so a layer's first call (``first_call``, its cell) keeps the largest value."""
-        shared = self.shared
-        first_call.clamp_min_(shared.clock)
-        shared.clock.sub_(shared.clock_tick)
 
     def _record_outputs(self, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
@@ -322,10 +315,7 @@ class OutputTap:
         with torch.no_grad():
             self.forward_sum.add_(local.sum(dtype=torch.float32))
             if shared.plan.every_step:
-                self._advance_clock(cells[0:1])
-                if self.records_outputs:
-                    cells[2:].add_(registry.accumulate_all(local, cells.dtype))
-                    cells[1:2].add_(local.numel())
+                add_recorded_output(local, cells, shared.clock, shared.clock_tick, self.records_outputs)
             elif host_branch.IN_USE:
                 host_branch.mark_output(local, cells, shared.clock, shared.clock_tick, shared.plan.key,
                                         self.records_outputs)  # fmt: skip

@@ -476,11 +476,11 @@ def test_compiled_autograd_with_the_default_records_sampled_steps_only_through_t
     for _ in range(6):
         x, y = torch.randn(5, 8), torch.randint(0, 4, (5,))
         retained.clear()
-        before = computed["deltas"]
+        before = computed["grads"]
         with torch._dynamo.config.patch(compiled_autograd=True):
             loss = nn.functional.cross_entropy(run(x), y)
             torch.compile(lambda: loss.backward(), backend=BACKEND)()
-        counted.append(computed["deltas"] - before)
+        counted.append(computed["grads"] - before)
         nn.functional.cross_entropy(twin(x), y).backward()
         expected.append([retained.norm(n) for n in ("0", "2")])
         monitor.step()
@@ -823,7 +823,7 @@ def _count_statistics_at_run_time(monkeypatch) -> dict:
     from gradwatch import registry
     from gradwatch.capture.grad_statistics import GradStatistics
 
-    computed = {"deltas": 0, "values": 0}
+    computed = {"grads": 0, "values": 0}
 
     def counting(kind, real):
         def count(*args, **kwargs):
@@ -832,7 +832,7 @@ def _count_statistics_at_run_time(monkeypatch) -> dict:
             return real(*args, **kwargs)
         return count
 
-    monkeypatch.setattr(GradStatistics, "deltas", counting("deltas", GradStatistics.deltas))
+    monkeypatch.setattr(GradStatistics, "add_to_cells", counting("grads", GradStatistics.add_to_cells))
     monkeypatch.setattr(registry, "accumulate_all", counting("values", registry.accumulate_all))
     return computed
 
@@ -862,7 +862,7 @@ def test_inductor_default_detail_records_a_conv_net_s_sampled_steps_as_the_eager
         retained.clear()
         before = dict(computed)
         run(x).square().mean().backward()
-        counted.append((computed["deltas"] - before["deltas"], computed["values"] - before["values"]))
+        counted.append((computed["grads"] - before["grads"], computed["values"] - before["values"]))
         twin(x).square().mean().backward()
         expected.append({n: (retained.norm(n), float(retained.outputs[n][0].detach().double().square().mean().sqrt()))
                          for n in names})  # fmt: skip
