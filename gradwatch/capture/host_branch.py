@@ -9,7 +9,9 @@ sampled steps computes the statistics eagerly (the functions eager taps use: exa
 and magnitude, ``cpu_rows.py`` on the CPU) straight into the cells it is handed; on the others it
 returns at once. In the graph each is one call of a mutating custom op: inductor hands it the
 operand in whatever layout it chose (``flexible_layout``: a channels-last convolution output too),
-compiles no code for the statistics, and the graph stays cacheable.
+compiles no code for the statistics, and the graph stays cacheable. Inductor's Python wrapper calls
+the op's Python kernel itself, not through the dispatcher (``_compat/inductor.py``: ~16 us a call
+in context against 70-90, the bulk of what the ops cost the compiled MLP's unsampled steps).
 
 Measured on the compiled standard workloads (torch 2.13, benchmarks/RESULTS.md, twentieth
 session): a branch of ``torch.cond`` per layer and direction, which these ops replaced, cost about
@@ -95,7 +97,10 @@ def _mark_output(output: torch.Tensor, cells: torch.Tensor, clock: torch.Tensor,
 
 
 def _returns_nothing(*args: object) -> None:
-    """The ops' fake kernel: they return nothing (what they write is declared in their schema)."""
+    """The ops' fake kernel: they return nothing (what they write is declared in their schema). It
+    runs while dynamo and AOTAutograd trace, before inductor generates code: the moment to have
+    inductor call the kernels directly (``_compat/inductor.py``)."""
+    _compat.inductor.call_directly(_OP_NAMES)
 
 
 _SCHEMAS = {
@@ -104,6 +109,20 @@ _SCHEMAS = {
     "mark_output": ("(Tensor output, Tensor(a!) cells, Tensor(b!) clock, float tick, int flags_key,"
                     " bool statistics) -> ()", _mark_output),
 }  # fmt: skip
+
+
+#: The ops' overload: what their calls in generated code mean. Inductor keys the code it caches by
+#: the FX graph, which names the op and overload but not how the wrapper calls it: code cached when
+#: the calls went through the dispatcher (overload ``default``) is not served to a gradwatch that
+#: has inductor call the kernels directly (``_compat/inductor.py``); a change of calling convention
+#: takes a new overload name.
+OVERLOAD = "direct"
+#: the ops as inductor's wrapper names them
+_OP_NAMES = tuple(f"torch.ops.gradwatch.{name}.{OVERLOAD}" for name in _SCHEMAS)
+
+
+def _op(name: str) -> "torch._ops.OpOverload":
+    return getattr(getattr(torch.ops.gradwatch, name), OVERLOAD)
 
 
 def _define_ops() -> "torch.library.Library | None":
@@ -119,9 +138,11 @@ def _define_ops() -> "torch.library.Library | None":
     try:
         library = torch.library.Library("gradwatch", "DEF")
         for name, (schema, kernel) in _SCHEMAS.items():
-            library.define(name + schema, tags=tags)
-            library.impl(name, kernel, "CompositeExplicitAutograd")
-            torch.library.register_fake(f"gradwatch::{name}", _returns_nothing, lib=library)
+            qualified = f"{name}.{OVERLOAD}"
+            library.define(qualified + schema, tags=tags)
+            library.impl(qualified, kernel, "CompositeExplicitAutograd")
+            torch.library.register_fake(f"gradwatch::{qualified}", _returns_nothing, lib=library)
+            _compat.inductor.attach_kernel(_op(name), kernel)
     except RuntimeError as exc:  # the namespace is taken
         log.debug("gradwatch: compiled taps compute their sampled statistics at every step, masked (%s)", exc)
         return None
@@ -131,5 +152,5 @@ def _define_ops() -> "torch.library.Library | None":
 _LIBRARY = _define_ops()  # kept: the registrations live as long as this object
 #: whether compiled taps record their sampled statistics through these ops (else at every step, masked)
 IN_USE = _LIBRARY is not None and _compat.OPS_IN_HOOKS
-add_output_grad = torch.ops.gradwatch.add_output_grad.default if _LIBRARY is not None else None
-mark_output = torch.ops.gradwatch.mark_output.default if _LIBRARY is not None else None
+add_output_grad = _op("add_output_grad") if _LIBRARY is not None else None
+mark_output = _op("mark_output") if _LIBRARY is not None else None

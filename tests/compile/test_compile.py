@@ -837,6 +837,23 @@ def _count_statistics_at_run_time(monkeypatch) -> dict:
     return computed
 
 
+def _count_direct_calls(monkeypatch) -> dict:
+    """Calls of the opaque ops' kernels by inductor's generated code (through the attribute it names)."""
+    from gradwatch._compat.inductor import DIRECT_KERNEL
+    from gradwatch.capture import host_branch
+
+    called = {"add_output_grad": 0, "mark_output": 0}
+    for name in called:
+        op = getattr(host_branch, name)
+        real = getattr(op, DIRECT_KERNEL)
+
+        def count(*args, name=name, real=real):
+            called[name] += 1
+            return real(*args)
+        monkeypatch.setattr(op, DIRECT_KERNEL, count)
+    return called
+
+
 @pytest.mark.slow
 def test_inductor_default_detail_records_a_conv_net_s_sampled_steps_as_the_eager_twin(monkeypatch):
     # Inductor lays convolution outputs and their gradients out channels-last, or contiguous where
@@ -846,6 +863,7 @@ def test_inductor_default_detail_records_a_conv_net_s_sampled_steps_as_the_eager
     # on the operand as laid out: after compiling, their code runs once per layer on sampled steps
     # and not at all on the others.
     computed = _count_statistics_at_run_time(monkeypatch)
+    called = _count_direct_calls(monkeypatch)
     bypassed = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_bypass"]  # process-wide: a delta
     torch.manual_seed(0)
     model = _conv_net()
@@ -860,9 +878,11 @@ def test_inductor_default_detail_records_a_conv_net_s_sampled_steps_as_the_eager
     for _ in range(4):
         x = torch.randn(4, 3, 32, 32, generator=g)
         retained.clear()
-        before = dict(computed)
+        before, calls_before = dict(computed), dict(called)
         run(x).square().mean().backward()
-        counted.append((computed["grads"] - before["grads"], computed["values"] - before["values"]))
+        counted.append((computed["grads"] - before["grads"], computed["values"] - before["values"],
+                        called["add_output_grad"] - calls_before["add_output_grad"],
+                        called["mark_output"] - calls_before["mark_output"]))  # fmt: skip
         twin(x).square().mean().backward()
         expected.append({n: (retained.norm(n), float(retained.outputs[n][0].detach().double().square().mean().sqrt()))
                          for n in names})  # fmt: skip
@@ -880,8 +900,10 @@ def test_inductor_default_detail_records_a_conv_net_s_sampled_steps_as_the_eager
             out_grad_norm, act_rms = expected[t][name]
             assert w.out_grad_norm[t, i] == pytest.approx(out_grad_norm, rel=1e-4), name
             assert w.output_stats["act_rms"][t, i] == pytest.approx(act_rms, rel=1e-4), name
-    layers = len(names)  # every layer's statistics, 4-D and 2-D, through the ops
-    assert counted[1:] == [(layers, layers) if w.sampled[t] else (0, 0) for t in range(1, 4)]
+    layers = len(names)  # every layer's statistics, 4-D and 2-D, through the ops, which inductor's
+    # wrapper calls as Python functions at every step (not through the dispatcher: _compat/inductor.py)
+    assert counted[1:] == [(layers, layers, layers, layers) if w.sampled[t] else (0, 0, layers, layers)
+                           for t in range(1, 4)]  # fmt: skip
     # Inductor may cache the monitored graphs, as it does the model's without gradwatch (a torch.cond
     # branch in them made it bypass its FX graph cache, "Can't cache HigherOrderOperator: cond").
     assert torch._dynamo.utils.counters["inductor"]["fxgraph_cache_bypass"] == bypassed
