@@ -42,19 +42,16 @@ def attach_kernel(op: Any, kernel: Callable[..., None]) -> None:
     setattr(op, DIRECT_KERNEL, kernel)
 
 
-def call_directly(op_names: Iterable[str]) -> bool:
-    """Make inductor's Python wrapper call the ops named ``op_names`` (``torch.ops.<ns>.<op>.default``)
-    through :data:`DIRECT_KERNEL`, once its code generation is loaded (never imports it).
-
-    Returns:
-        whether they are registered (False: inductor not loaded yet, or a torch without the registry).
-    """
+def call_directly(op_names: Iterable[str]) -> None:
+    """Make inductor's Python wrapper call the ops named ``op_names`` (``torch.ops.<ns>.<op>.<overload>``)
+    through :data:`DIRECT_KERNEL`, once its code generation is loaded (never imports it; until then,
+    and on a torch whose registry differs, the wrapper calls them through the dispatcher)."""
     global _registered
     if _registered:
-        return True
+        return
     module = sys.modules.get(_CODEGEN_MODULE)
     if module is None:
-        return False
+        return
     try:
         registry, codegen = module.CUSTOM_EXTERN_KERNEL_CODEGEN, module.CustomCodegen
         for name in op_names:
@@ -62,7 +59,6 @@ def call_directly(op_names: Iterable[str]) -> bool:
     except AttributeError as exc:  # a torch whose registry changed: the dispatcher call stays
         log.debug("gradwatch: compiled code calls its ops through the dispatcher (%s)", exc)
     _registered = True
-    return True
 
 
 def _direct_call(node: Any, writeline: Callable[[str], None]) -> None:

@@ -818,22 +818,23 @@ def _conv_net() -> nn.Module:
                          nn.Linear(16, 4))  # fmt: skip
 
 
+def _counting(counts: dict, kind: str, real):
+    """``real``, counting its calls at run time (not while tracing) in ``counts[kind]``."""
+    def count(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            counts[kind] += 1
+        return real(*args, **kwargs)
+    return count
+
+
 def _count_statistics_at_run_time(monkeypatch) -> dict:
     """Calls of the output-gradient and output statistics' code at run time (not while tracing)."""
     from gradwatch import registry
     from gradwatch.capture.grad_statistics import GradStatistics
 
     computed = {"grads": 0, "values": 0}
-
-    def counting(kind, real):
-        def count(*args, **kwargs):
-            if not torch.compiler.is_compiling():  # at run time, not while tracing
-                computed[kind] += 1
-            return real(*args, **kwargs)
-        return count
-
-    monkeypatch.setattr(GradStatistics, "add_to_cells", counting("grads", GradStatistics.add_to_cells))
-    monkeypatch.setattr(registry, "accumulate_all", counting("values", registry.accumulate_all))
+    monkeypatch.setattr(GradStatistics, "add_to_cells", _counting(computed, "grads", GradStatistics.add_to_cells))
+    monkeypatch.setattr(registry, "accumulate_all", _counting(computed, "values", registry.accumulate_all))
     return computed
 
 
@@ -845,12 +846,7 @@ def _count_direct_calls(monkeypatch) -> dict:
     called = {"add_output_grad": 0, "mark_output": 0}
     for name in called:
         op = getattr(host_branch, name)
-        real = getattr(op, DIRECT_KERNEL)
-
-        def count(*args, name=name, real=real):
-            called[name] += 1
-            return real(*args)
-        monkeypatch.setattr(op, DIRECT_KERNEL, count)
+        monkeypatch.setattr(op, DIRECT_KERNEL, _counting(called, name, getattr(op, DIRECT_KERNEL)))
     return called
 
 
