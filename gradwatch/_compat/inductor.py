@@ -11,10 +11,17 @@ points of that model's step.
 So the ops' Python kernels hang on their ``OpOverload`` objects (:data:`DIRECT_KERNEL`, set when
 the ops are defined) and inductor's registry of custom codegen for extern kernels
 (``torch._inductor.codegen.custom_extern_kernel_codegen``, keyed by the op's name: only graphs that
-call gradwatch's ops see it) writes ``torch.ops.gradwatch.<op>.default.gradwatch_kernel(...)``
+call gradwatch's ops see it) writes ``torch.ops.gradwatch.<op>.<overload>.gradwatch_kernel(...)``
 instead of the dispatcher call. Inductor still schedules the call as the op (what it mutates,
 ``cudagraph_unsafe``); only the line that calls it changes. The C++ wrapper (AOTInductor,
 ``cpp_wrapper``) and torch versions without the registry keep the dispatcher call.
+
+An op that does nothing on most calls may also hang a *gate* on its ``OpOverload``
+(:data:`GATE`: a mapping from one of its int arguments to a bool, kept by its owner) and the line
+becomes ``if <op>.gradwatch_gate[<that argument>]: <op>.gradwatch_kernel(...)``: where the gate is
+False the wrapper calls nothing. Measured on the compiled MLP (twenty-second session): a call of the
+kernel that returns at once still cost ~16 us in context (its frame and the two Python frames of
+its flag lookup, cold after a GEMM), the gate's subscript ~1.
 
 The registry is inductor's, and importing inductor costs seconds, so nothing here imports it:
 :func:`call_directly` registers once inductor's code generation is loaded (the ops' fake kernels
@@ -27,19 +34,36 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 log = logging.getLogger("gradwatch")
 
 #: The attribute of each op's ``OpOverload`` that holds its Python kernel (named in cached code).
 DIRECT_KERNEL = "gradwatch_kernel"
+#: ... and the one that holds its gate (named in cached code too): a mapping that answers every key
+GATE = "gradwatch_gate"
 _CODEGEN_MODULE = "torch._inductor.codegen.custom_extern_kernel_codegen"
 _registered = False
+#: "<ns>::<op>.<overload>" -> the position of its gate's argument (ops with a gate)
+_gate_positions: dict[str, int] = {}
 
 
-def attach_kernel(op: Any, kernel: Callable[..., None]) -> None:
-    """Hang ``kernel`` (the op's Python kernel) on its ``OpOverload`` for generated code to call."""
+def attach_kernel(op: Any, kernel: Callable[..., None], gate: Mapping[int, bool] | None = None,
+                  gate_argument: str = "") -> None:
+    """Hang ``kernel`` (the op's Python kernel) on its ``OpOverload`` for generated code to call.
+
+    Args:
+        op: the op's ``OpOverload``.
+        kernel: its Python kernel.
+        gate: where given, generated code calls ``kernel`` only where ``gate[<the call's
+            gate_argument>]`` is true; it must answer every key (a ``defaultdict(bool)``), since a
+            KeyError would stop the compiled code. The kernel must do nothing where it is false.
+        gate_argument: the name of the op's int argument that ``gate`` is keyed by.
+    """
     setattr(op, DIRECT_KERNEL, kernel)
+    if gate is not None:
+        setattr(op, GATE, gate)
+        _gate_positions[str(op)] = [a.name for a in op._schema.arguments].index(gate_argument)
 
 
 def call_directly(op_names: Iterable[str]) -> None:
@@ -62,6 +86,11 @@ def call_directly(op_names: Iterable[str]) -> None:
 
 
 def _direct_call(node: Any, writeline: Callable[[str], None]) -> None:
-    """The wrapper's line for one call of the op ``node`` (an ``ir.FallbackKernel``): its kernel, its arguments."""
-    args = ", ".join([*node.codegen_args(), *node.codegen_kwargs()])
-    writeline(f"{node.python_kernel_name}.{DIRECT_KERNEL}({args})")
+    """The wrapper's line for one call of the op ``node`` (an ``ir.FallbackKernel``): its kernel, its
+    arguments, behind its gate where it has one."""
+    args = node.codegen_args()
+    call = f"{node.python_kernel_name}.{DIRECT_KERNEL}({', '.join([*args, *node.codegen_kwargs()])})"
+    position = _gate_positions.get(str(getattr(node, "op_overload", "")))
+    if position is not None and position < len(args):
+        call = f"if {node.python_kernel_name}.{GATE}[{args[position]}]: {call}"
+    writeline(call)

@@ -11,7 +11,9 @@ returns at once. In the graph each is one call of a mutating custom op: inductor
 operand in whatever layout it chose (``flexible_layout``: a channels-last convolution output too),
 compiles no code for the statistics, and the graph stays cacheable. Inductor's Python wrapper calls
 the op's Python kernel itself, not through the dispatcher (``_compat/inductor.py``: ~16 us a call
-in context against 70-90, the bulk of what the ops cost the compiled MLP's unsampled steps).
+in context against 70-90), and only where the monitor's entry in :data:`GATE` (a dict subscript in
+the wrapper) says the step is sampled: an unsampled step of compiled code calls no Python function
+of gradwatch's.
 
 Measured on the compiled standard workloads (torch 2.13, benchmarks/RESULTS.md, twentieth
 session): a branch of ``torch.cond`` per layer and direction, which these ops replaced, cost about
@@ -32,6 +34,7 @@ device's sampling flag says so.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import weakref
@@ -50,6 +53,12 @@ log = logging.getLogger("gradwatch")
 
 #: key -> the monitor's recording flags, while the monitor lives
 _FLAGS: "weakref.WeakValueDictionary[int, RecordingFlags]" = weakref.WeakValueDictionary()
+#: key -> whether its monitor's step is sampled, as a plain dict that answers every key (False for
+#: unknown ones): the gate inductor's generated code reads before it calls an op's kernel
+#: (``_compat/inductor.py``), so that an unsampled step calls no Python function. Kept by
+#: ``RecordingFlags.sampling``; a gate that says True for a collected monitor only costs a call, since
+#: the kernels check ``_FLAGS`` themselves.
+GATE: "collections.defaultdict[int, bool]" = collections.defaultdict(bool)
 
 
 def register(flags: "RecordingFlags") -> int:
@@ -59,12 +68,20 @@ def register(flags: "RecordingFlags") -> int:
     (a new key at each attach made each attach -> close cycle a new graph)."""
     key = next(k for k in itertools.count(1) if k not in _FLAGS)
     _FLAGS[key] = flags
+    GATE[key] = flags.sampling
     return key
 
 
 def release(key: int) -> None:
     """The monitor of ``key`` closed: its ops record nothing from now on, and the key is free."""
     _FLAGS.pop(key, None)
+    GATE[key] = False
+
+
+def follow_sampling(key: int, flags: "RecordingFlags") -> None:
+    """``flags.sampling`` changed: its gate follows (unless the key went to another monitor since)."""
+    if _FLAGS.get(key) is flags:
+        GATE[key] = flags.sampling
 
 
 def _sampling(key: int) -> bool:
@@ -112,11 +129,11 @@ _SCHEMAS = {
 
 
 #: The ops' overload: what their calls in generated code mean. Inductor keys the code it caches by
-#: the FX graph, which names the op and overload but not how the wrapper calls it: code cached when
-#: the calls went through the dispatcher (overload ``default``) is not served to a gradwatch that
-#: has inductor call the kernels directly (``_compat/inductor.py``); a change of calling convention
-#: takes a new overload name.
-OVERLOAD = "direct"
+#: the FX graph, which names the op and overload but not how the wrapper calls it, so a change of
+#: calling convention takes a new overload name: ``default`` went through the dispatcher, ``direct``
+#: called the kernels at every step, ``gated`` calls them behind :data:`GATE` (code cached by this
+#: gradwatch names the gate, which an older one lacks: it must not be served to one).
+OVERLOAD = "gated"
 #: the ops as inductor's wrapper names them
 _OP_NAMES = tuple(f"torch.ops.gradwatch.{name}.{OVERLOAD}" for name in _SCHEMAS)
 
@@ -142,7 +159,7 @@ def _define_ops() -> "torch.library.Library | None":
             library.define(qualified + schema, tags=tags)
             library.impl(qualified, kernel, "CompositeExplicitAutograd")
             torch.library.register_fake(f"gradwatch::{qualified}", _returns_nothing, lib=library)
-            _compat.inductor.attach_kernel(_op(name), kernel)
+            _compat.inductor.attach_kernel(_op(name), kernel, GATE, "flags_key")
     except RuntimeError as exc:  # the namespace is taken
         log.debug("gradwatch: compiled taps compute their sampled statistics at every step, masked (%s)", exc)
         return None

@@ -300,6 +300,13 @@ class _CellMoves:
         self.out_sq = self.out_grad[0]
         self.units = cells.units
         self.fwd_rows = [buffer.row(FWD_SUM, t) for t in range(flush_every)]
+        # CPU: the forward sums move on the host, through numpy views of the same memory made once:
+        # right after backward a dispatcher call costs 40-90 us of cold caches, a numpy one a few
+        # (benchmarks/RESULTS.md, twenty-first and twenty-second sessions). The forward sums are
+        # never saved for a backward, so that zeroing them leaves their version counter alone is safe.
+        on_host = self.whole and buffer.device.type == "cpu" and cells.sums.device.type == "cpu"
+        self.fwd_host = buffer.host_view(FWD_SUM) if on_host else None
+        self.sums_host = cells.sums.numpy() if on_host else None
         self.order_rows = [buffer.row(FWD_ORDER, t) for t in range(flush_every)]
         stats = accumulator_count()
         self.stats = cells.outputs if stats else None
@@ -322,8 +329,12 @@ class _CellMoves:
             if scale_units:  # sums of squares compared with dead_eps; a projection's zeros need nothing
                 self.units.mul_(inverse)
         if self.whole:
-            self.fwd_rows[slot].copy_(self.sums)
-            self.sums.zero_()
+            if self.sums_host is not None:
+                self.fwd_host[slot] = self.sums_host
+                self.sums_host.fill(0.0)
+            else:
+                self.fwd_rows[slot].copy_(self.sums)
+                self.sums.zero_()
             if sampled:
                 self.order_rows[slot].copy_(self.first_calls)
                 self.out_rows[slot].copy_(self.out_grad)

@@ -114,7 +114,7 @@ class ForeachStats:
             norms, _, _ = cpu.head(len(grads))
             # stack into float32 (a float64 out= costs ~6x as much), square into the row
             torch.stack(foreach_norm(grads, 2, torch.float32), out=norms)
-            torch.square(norms, out=rows.sq)
+            cpu.square_into(len(grads), rows)
             cpu.fix(grads, rows)
             if rows.max is not None:
                 rows.max.copy_(_cpu_abs_max(grads))
@@ -152,7 +152,7 @@ class CpuBlasStats:
                 torch.aminmax(flat, out=(lo, hi))
             torch.dot(flat, flat, out=sq)
         sq, lo, hi = cpu.head(len(grads))
-        rows.sq.copy_(sq)
+        cpu.copy_into(len(grads), rows)
         cpu.fix(grads, rows)
         if with_max:
             rows.max.copy_(torch.maximum(hi, lo.neg()))
@@ -186,6 +186,22 @@ class _CpuSlots:
         if heads is None:  # slicing is an op per call; the group sizes repeat
             heads = self._heads[k] = (self.sq[:k], self.lo[:k], self.hi[:k])
         return heads
+
+    def square_into(self, k: int, rows: StepRows) -> None:
+        """The squares of the first ``k`` slots (norms) into ``rows.sq``, in float64 (exact squares
+        of float32 values). On the host where the row is host memory: right after backward, any
+        dispatcher call costs 40-90 us of cold caches, a numpy call a few (benchmarks/RESULTS.md)."""
+        if rows.sq_host is None:
+            torch.square(self.head(k)[0].double(), out=rows.sq)
+        else:
+            np.square(self.sq_host[:k], out=rows.sq_host, dtype=np.float64)
+
+    def copy_into(self, k: int, rows: StepRows) -> None:
+        """The first ``k`` slots (sums of squares) into ``rows.sq`` (on the host where it can)."""
+        if rows.sq_host is None:
+            rows.sq.copy_(self.head(k)[0])
+        else:
+            np.copyto(rows.sq_host, self.sq_host[:k])
 
     def fix(self, grads: list[torch.Tensor], rows: StepRows) -> None:
         """Where a float32 result is not finite: count the non-finite elements exactly, and for a

@@ -118,6 +118,7 @@ class RecordingFlags:
         value = bool(value)
         if value != self._sampling:
             self._sampling = value
+            host_branch.follow_sampling(self.key, self)
             for sampled, count in self.device_flags:
                 sampled.fill_(value)
                 count.fill_(float(value))

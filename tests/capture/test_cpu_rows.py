@@ -148,6 +148,28 @@ def test_the_compiled_taps_ops_write_exact_statistics_of_tiny_channels_last_grad
         assert torch.equal(before, after)  # unsampled: nothing computed, nothing written
 
 
+def test_the_gate_compiled_code_reads_follows_each_monitor_s_sampling_and_outlives_none():
+    # Inductor's wrapper calls the ops' kernels only where host_branch.GATE[key] is true
+    # (_compat/inductor.py): it must follow each monitor's flag, say False once the monitor closed
+    # (and for keys no monitor holds: a KeyError would stop compiled code), and a closed monitor's
+    # flags must not write the gate of the monitor that took its key.
+    first = RecordingFlags()
+    assert host_branch.GATE[first.key] is True  # a monitor's first step is sampled
+    first.sampling = False
+    assert host_branch.GATE[first.key] is False
+    first.sampling = True
+    assert host_branch.GATE[first.key] is True
+    key = first.key
+    first.close()
+    assert host_branch.GATE[key] is False
+    second = RecordingFlags()
+    assert second.key == key and host_branch.GATE[key] is True  # the smallest free key, its own value
+    first.sampling = False  # the closed monitor's flags (a step after close) leave it alone
+    assert host_branch.GATE[key] is True
+    second.close()
+    assert host_branch.GATE[10**6] is False
+
+
 def test_a_large_tiny_layer_keeps_exact_statistics_in_eager_training():
     # act_rms's exact windows (every window of a layer at ~1e-25) and a channels-last convolution's
     # output gradients (never float32 rows: GradStatistics._float32_rows) take the rows on large tensors.
