@@ -301,9 +301,10 @@ class _CellMoves:
         self.units = cells.units
         self.fwd_rows = [buffer.row(FWD_SUM, t) for t in range(flush_every)]
         # CPU: the forward sums move on the host, through numpy views of the same memory made once:
-        # right after backward a dispatcher call costs 40-90 us of cold caches, a numpy one a few
-        # (benchmarks/RESULTS.md, twenty-first and twenty-second sessions). The forward sums are
-        # never saved for a backward, so that zeroing them leaves their version counter alone is safe.
+        # right after backward each dispatcher call pays 40-90 us of cold caches (this move: 43 us
+        # in context with copy_ and zero_, 22 with numpy; benchmarks/RESULTS.md, twenty-second
+        # session). The forward sums are never saved for a backward, so that zeroing them leaves
+        # their version counter alone is safe.
         on_host = self.whole and buffer.device.type == "cpu" and cells.sums.device.type == "cpu"
         self.fwd_host = buffer.host_view(FWD_SUM) if on_host else None
         self.sums_host = cells.sums.numpy() if on_host else None
