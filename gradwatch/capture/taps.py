@@ -314,7 +314,10 @@ class OutputTap:
         shared = self.shared
         cells = self.forward_cells  # [first call | output elements | output statistics]
         with torch.no_grad():
-            self.forward_sum.add_(local.sum(dtype=torch.float32))
+            # A (1,) sum like the (1,) cell: a 0-d one made inductor reinterpret its reused scalar
+            # buffer twice per layer in the wrapper (17 calls on the MLP's forward, ~7 us each
+            # cold: 116 us of its forward; benchmarks/RESULTS.md, twenty-second session).
+            self.forward_sum.add_(local.flatten().sum(0, keepdim=True, dtype=torch.float32))
             if shared.plan.every_step:
                 add_recorded_output(local, cells, shared.clock, shared.clock_tick, self.records_outputs)
             elif host_branch.IN_USE:
