@@ -72,7 +72,7 @@ class Recorder:
         self._failures: set[str] = set()
         # Views made once: indexing and slicing are an op each per call.
         self._units_window = buffer[UNIT_ACC]
-        self._moves = [_CellMoves(cells, self.layout) for cells in self.cells.devices]
+        self._moves = [_CellMoves(cells, self.layout, self.param_stats.cpu_fast) for cells in self.cells.devices]
         self._host_moves = HostCellMoves(self.layout, self.cells.host, numpy_rows=self.param_stats.counts_every_step)
         # Unsampled steps leave max |g| (and, on accelerators, the non-finite count) out.
         sq_host = buffer.host_view(PARAM_SQ)  # CPU buffers: numpy views made once
@@ -290,7 +290,7 @@ class _CellMoves:
     copied into the row, then zeroed, one op each per device whatever the number of layers.
     """
 
-    def __init__(self, cells: DeviceCells, layout: Layout) -> None:
+    def __init__(self, cells: DeviceCells, layout: Layout, cpu_fast: bool = True) -> None:
         buffer, flush_every = layout.buffer, layout.flush_every
         k = cells.n
         self.whole = k == len(layout.names)  # the usual case: every layer on the buffer's device
@@ -304,8 +304,9 @@ class _CellMoves:
         # right after backward each dispatcher call pays 40-90 us of cold caches (this move: 43 us
         # in context with copy_ and zero_, 22 with numpy; benchmarks/RESULTS.md, twenty-second
         # session). The forward sums are never saved for a backward, so that zeroing them leaves
-        # their version counter alone is safe.
-        on_host = self.whole and buffer.device.type == "cpu" and cells.sums.device.type == "cpu"
+        # their version counter alone is safe. ``cpu_fast`` False (``param_stats.CPU_FAST_PATH``): CPU
+        # tensors take the accelerators' path, copy_ and zero_ included, which is how CI runs it.
+        on_host = cpu_fast and self.whole and buffer.device.type == "cpu" and cells.sums.device.type == "cpu"
         self.fwd_host = buffer.host_view(FWD_SUM) if on_host else None
         self.sums_host = cells.sums.numpy() if on_host else None
         self.order_rows = [buffer.row(FWD_ORDER, t) for t in range(flush_every)]
