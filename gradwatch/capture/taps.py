@@ -314,10 +314,7 @@ class OutputTap:
         shared = self.shared
         cells = self.forward_cells  # [first call | output elements | output statistics]
         with torch.no_grad():
-            # A (1,) sum like the (1,) cell: a 0-d one made inductor reinterpret its reused scalar
-            # buffer twice per layer in the wrapper (17 calls on the MLP's forward, ~7 us each
-            # cold: 116 us of its forward; benchmarks/RESULTS.md, twenty-second session).
-            self.forward_sum.add_(local.flatten().sum(0, keepdim=True, dtype=torch.float32))
+            self.forward_sum.add_(_forward_sum(local))
             if shared.plan.every_step:
                 add_recorded_output(local, cells, shared.clock, shared.clock_tick, self.records_outputs)
             elif host_branch.IN_USE:
@@ -366,6 +363,18 @@ class OutputTap:
 
     def __reduce__(self) -> tuple:
         return (_inert, ())
+
+
+def _forward_sum(local: torch.Tensor) -> torch.Tensor:
+    """A compiled tap's sum of its output, in float32. Of a 2-D (or smaller) output, a (1,) reduction
+    like the (1,) cell it is added into: a 0-d sum made inductor reinterpret its reused scalar buffer
+    twice per layer in the wrapper (17 calls in the compiled MLP's forward, ~7 us each cold: 116 us
+    of it). Larger outputs keep the 0-d sum: inductor may lay them out channels-last, where a
+    flattened reduction indexes the storage elementwise (the compiled CNN's forward took 17.7 ms
+    more; benchmarks/RESULTS.md, twenty-second session)."""
+    if local.ndim <= 2:
+        return local.flatten().sum(0, keepdim=True, dtype=torch.float32)
+    return local.sum(dtype=torch.float32)
 
 
 def inert_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
