@@ -4,7 +4,8 @@ when their monitor's step is sampled, and do nothing on the others.
 Compiled taps record their statistics on sampled steps only, without a graph per kind of step (a
 Python flag dynamo guards on doubles every compiled model's graphs: ``taps.py``). Each tap calls
 one op of this module (forward: ``mark_output``; backward: ``add_output_grad``) that, when it runs,
-reads its monitor's ``RecordingFlags.sampling`` (a Python bool on the host: no device read) and on
+reads its monitor's ``RecordingFlags.sampling`` (its copy in :data:`GATE`, a Python bool on the
+host: no device read) and on
 sampled steps computes the statistics eagerly (the functions eager taps use: exact at any layout
 and magnitude, ``cpu_rows.py`` on the CPU) straight into the cells it is handed; on the others it
 returns at once. In the graph each is one call of a mutating custom op: inductor hands it the
@@ -51,13 +52,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gradwatch")
 
-#: key -> the monitor's recording flags, while the monitor lives
+#: key -> the monitor's recording flags, while the monitor lives (which keys are taken)
 _FLAGS: "weakref.WeakValueDictionary[int, RecordingFlags]" = weakref.WeakValueDictionary()
-#: key -> whether its monitor's step is sampled, as a plain dict that answers every key (False for
-#: unknown ones): the gate inductor's generated code reads before it calls an op's kernel
-#: (``_compat/inductor.py``), so that an unsampled step calls no Python function. Kept by
-#: ``RecordingFlags.sampling``; a gate that says True for a collected monitor only costs a call, since
-#: the kernels check ``_FLAGS`` themselves.
+#: key -> whether its monitor's step is sampled: what the ops' kernels read, and the gate inductor's
+#: generated code reads before it calls them (``_compat/inductor.py``), so that an unsampled step
+#: calls no Python function. A plain dict that answers every key (False for unknown ones, for a
+#: closed monitor's and a collected one's); kept by ``RecordingFlags.sampling``.
 GATE: "collections.defaultdict[int, bool]" = collections.defaultdict(bool)
 
 
@@ -69,7 +69,15 @@ def register(flags: "RecordingFlags") -> int:
     key = next(k for k in itertools.count(1) if k not in _FLAGS)
     _FLAGS[key] = flags
     GATE[key] = flags.sampling
+    weakref.finalize(flags, _collected, key)
     return key
+
+
+def _collected(key: int) -> None:
+    """A monitor's flags were collected without close(): its gate closes, unless its key went to a
+    monitor attached since (after a close(), the key is free while the flags may live on)."""
+    if key not in _FLAGS:
+        GATE[key] = False
 
 
 def release(key: int) -> None:
@@ -84,18 +92,13 @@ def follow_sampling(key: int, flags: "RecordingFlags") -> None:
         GATE[key] = flags.sampling
 
 
-def _sampling(key: int) -> bool:
-    flags = _FLAGS.get(key)
-    return flags is not None and flags.sampling
-
-
 def _add_output_grad(grad: torch.Tensor, cells: torch.Tensor, units: torch.Tensor, weights: torch.Tensor,
                      flags_key: int, unit_count: int, channel_first: bool, unit_sums: bool) -> None:  # fmt: skip
     """On sampled steps, one output gradient into its layer's backward cells (``cells``: sum of
     squares, calls, samples; ``units``: its dead-unit evidence): ``GradStatistics.add_to_cells``
     (the layer's facts are arguments: they are equal across layers of the same shape). Nothing on
     the others."""
-    if not _sampling(flags_key):
+    if not GATE[flags_key]:
         return
     stats = GradStatistics(unit_count, channel_first, weights, cells.dtype)
     stats.unit_sums = unit_sums
@@ -107,7 +110,7 @@ def _mark_output(output: torch.Tensor, cells: torch.Tensor, clock: torch.Tensor,
                  statistics: bool) -> None:  # fmt: skip
     """On sampled steps, one output into its layer's forward cells: ``cells.add_recorded_output``.
     Nothing on the others."""
-    if not _sampling(flags_key):
+    if not GATE[flags_key]:
         return
     with torch.no_grad():
         add_recorded_output(output, cells, clock, tick, statistics)

@@ -5,6 +5,8 @@ convolutions hand over."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -168,6 +170,12 @@ def test_the_gate_compiled_code_reads_follows_each_monitor_s_sampling_and_outliv
     assert host_branch.GATE[key] is True
     second.close()
     assert host_branch.GATE[10**6] is False
+    third = RecordingFlags()  # collected without close(): its gate closes with it
+    key = third.key
+    assert host_branch.GATE[key] is True
+    del third
+    gc.collect()
+    assert host_branch.GATE[key] is False
 
 
 def test_a_large_tiny_layer_keeps_exact_statistics_in_eager_training():
