@@ -185,6 +185,7 @@ class Cells:
     """
 
     def __init__(self, layers: list[LayerSpec], unit_count: np.ndarray) -> None:
+        from . import host_branch  # (it imports this module)
         from .taps import OutputTap, RecordingFlags  # taps.py imports this module
 
         self.n_layers = len(layers)
@@ -202,7 +203,8 @@ class Cells:
             units = [int(unit_count[i]) for i in members]
             cells = DeviceCells.declare(self.plan, device, members, sum(units))
             self.devices.append(cells)
-            self.plan.device_flags.append((cells.shared.sampled, cells.shared.sampled_count))
+            if not host_branch.IN_USE:  # only the masked path reads the sampling flag on the device
+                self.plan.device_flags.append((cells.shared.sampled, cells.shared.sampled_count))
             offset = 0
             for k, i in enumerate(members):
                 per_layer[i] = (cells, k, offset)

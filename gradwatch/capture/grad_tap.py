@@ -60,14 +60,16 @@ class GradTap:
         self.failed = failed
         self.grad_at = -1  # plan.step of this layer's latest output gradient (eager)
 
-
     def on_output_grad(self, grad: torch.Tensor, shared: "DeviceTapState") -> torch.Tensor:
         """Tensor hook on the output: sum of squares (float64), calls and dead-unit evidence.
-        ``shared``: the device's ``cells.DeviceTapState``."""
+        ``shared``: the device's ``cells.DeviceTapState``. Returns ``grad`` unchanged."""
         grad_mode = torch.is_grad_enabled()  # on only in a backward with create_graph=True
         _set_grad_enabled(False)
         try:
-            self._record(local_tensor(grad), shared)
+            if torch.compiler.is_compiling():
+                self._record_traced(grad if type(grad) is torch.Tensor else local_tensor(grad), shared)
+            else:
+                self._record(local_tensor(grad), shared)
         except Exception as exc:  # never break training: reported at step() (nothing raises when traced)
             self.failed(exc)
         finally:
@@ -78,12 +80,6 @@ class GradTap:
         """Fold one output gradient into the step's cells (eager hooks run on sampled steps only):
         its statistics written into the cells at the step's first gradient, added after it; the
         calls and samples counted on the host."""
-        if torch.compiler.is_compiling():
-            if shared.plan.every_step:
-                self._record_every_step(g, shared.weights)
-            else:
-                self._record_traced(g, shared)
-            return
         step = shared.plan.step
         first = self.grad_at != step
         self.grad_at = step
@@ -92,24 +88,24 @@ class GradTap:
         host.add(host.calls, i, 1.0)
         host.add(host.samples, i, samples)
 
-    def _record_every_step(self, g: torch.Tensor, weights: torch.Tensor) -> None:
-        """``_record`` inside compiled code with ``detail="full"``: every step is sampled, the
-        counts are device cells (compiled code runs no host code per call)."""
-        self.grad_stats.add_to_cells(g, weights, self.grad_cells, self.units)
-
     def _record_traced(self, g: torch.Tensor, shared: "DeviceTapState") -> None:
-        """``_record`` inside compiled code: on sampled steps only, by the opaque op that reads the
-        host's flag when it runs (``host_branch.py``: nothing on the others, no statistics compiled
-        into the graph); where it is not in use, computed at every step and masked."""
+        """``_record`` inside compiled code, in as few Python frames as it can (dynamo traces this body
+        again for every hook it registers: ``taps.py``, "What dynamo needs"). With ``detail="full"``
+        every step is sampled and the counts are device cells, written by the graph; otherwise on
+        sampled steps only, by the opaque op that reads the host's flag when it runs
+        (``host_branch.py``: nothing on the others, no statistics compiled into the graph), or where
+        it is not in use, computed at every step and masked."""
         stats, cells, weights = self.grad_stats, self.grad_cells, shared.weights
-        if host_branch.IN_USE:
+        if shared.plan.every_step:
+            stats.add_to_cells(g, weights, cells, self.units)
+        elif host_branch.IN_USE:
             host_branch.add_output_grad(g, cells, self.units, weights, shared.plan.key, stats.units,
                                         stats.channel_first, stats.unit_sums)  # fmt: skip
-            return
-        count = shared.sampled_count
-        cells[1:2].add_(count)
-        sq, evidence = masked(shared, stats.deltas(g, weights))
-        cells[0:1].add_(sq)
-        if stats.judged(g):
-            self.units.add_(evidence)
-            cells[2:3].add_(count * stats.samples(g))
+        else:
+            count = shared.sampled_count
+            cells[1:2].add_(count)
+            sq, evidence = masked(shared, stats.deltas(g, weights))
+            cells[0:1].add_(sq)
+            if stats.judged(g):
+                self.units.add_(evidence)
+                cells[2:3].add_(count * stats.samples(g))

@@ -299,7 +299,6 @@ class _CellMoves:
         self.out_grad = cells.grad_counts  # [3 x k]: sums of squares, calls, samples
         self.out_sq = self.out_grad[0]
         self.units = cells.units
-        self.fwd_rows = [buffer.row(FWD_SUM, t) for t in range(flush_every)]
         # CPU: the forward sums move on the host, through numpy views of the same memory made once:
         # right after backward each dispatcher call pays 40-90 us of cold caches (this move: 43 us
         # in context with copy_ and zero_, 22 with numpy; benchmarks/RESULTS.md, twenty-second
@@ -309,6 +308,7 @@ class _CellMoves:
         on_host = cpu_fast and self.whole and buffer.device.type == "cpu" and cells.sums.device.type == "cpu"
         self.fwd_host = buffer.host_view(FWD_SUM) if on_host else None
         self.sums_host = cells.sums.numpy() if on_host else None
+        self.fwd_rows = [] if on_host else [buffer.row(FWD_SUM, t) for t in range(flush_every)]
         self.order_rows = [buffer.row(FWD_ORDER, t) for t in range(flush_every)]
         stats = accumulator_count()
         self.stats = cells.outputs if stats else None

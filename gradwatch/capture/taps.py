@@ -49,6 +49,12 @@ What dynamo needs, each measured on torch 2.13 (tests/test_compile.py keeps them
   Transformer against 1.03x, the forward 1.024 against 1.013. Eager taps read the Python bool and
   skip the work.
 - The tensor hook returns its gradient unchanged (returning None fails under compiled autograd).
+- Dynamo traces a tap's Python at every layer call it compiles, again after every graph break
+  before it, and speculates the tensor hook's body for every hook it registers: compile time
+  grows with every instruction and with every tensor a tap reads (each a fake tensor and guards,
+  ~3-7 ms). The traced paths read no property, build no tuple and call nothing for a plain
+  tensor's DTensor check (``type(x) is torch.Tensor``); a test bounds the instructions per layer
+  against the unmonitored baseline's (benchmarks/RESULTS.md, twenty-third session).
 """
 
 from __future__ import annotations
@@ -74,16 +80,18 @@ class RecordingFlags:
     """What the taps should do at the current step; one object shared by every tap.
 
     ``sampling``: record every statistic (output gradients, dead-unit evidence, the
-    forward order), not only the forward check. Eager taps read the Python bool; compiled taps
-    read its copy on their device (``device_flags``, written here only when the value changes:
-    one small fill per device, twice a window with the default). ``active``: False while paused
+    forward order), not only the forward check. Eager taps read the Python bool, compiled taps'
+    opaque ops its copy in ``host_branch.GATE``; where those ops are not in use, compiled taps read
+    its copy on their device (``device_flags``, written here only when the value changes: one
+    small fill per device, four times a window with the default). ``active``: False while paused
     (a Python value compiled code guards on: pausing is one graph variant more). ``step``: the
     number of steps recorded so far.
     """
 
     def __init__(self) -> None:
         self._sampling = True
-        #: (sampled as bool, sampled as 0/1 in the stat dtype) on each device that holds cells
+        #: (sampled as bool, sampled as 0/1 in the stat dtype) on each device that holds cells, where
+        #: compiled taps take the masked path (``host_branch.IN_USE`` False; else empty)
         self.device_flags: list[tuple[torch.Tensor, torch.Tensor]] = []
         #: how the opaque ops of compiled code find these flags (``host_branch.py``)
         self.key = host_branch.register(self)
@@ -206,8 +214,9 @@ class OutputTap:
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         """Record ``output``; returns None (the output unchanged), or in compiled code with the
         model's KV cache on, the output with a copy that carries the gradient tap (see
-        ``capture/grad_passthrough.py``)."""
-        if not self.plan.active:
+        ``capture/grad_passthrough.py``). Dynamo traces this at every layer call it compiles (and again
+        after every graph break before it), so its traced path reads no property and builds no tuple."""
+        if not self.shared.plan.active:
             return None
         try:
             if torch.is_grad_enabled():
@@ -245,18 +254,21 @@ class OutputTap:
 
     def _record_outputs(self, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
-            tensors = [output] if output.is_floating_point() else []
+            if not output.is_floating_point():
+                return None
+            first, extras = output, ()
         else:
             tensors = grad_tensors(output)
-        if not tensors:
-            return None
-        first = tensors[0]
-        for tap in (self, *self.also):
+            if not tensors:
+                return None
+            first, extras = tensors[0], tensors[1:]
+        self.record_output(first)
+        for tap in self.also:
             tap.record_output(first)
-        for extra in tensors[1:]:  # e.g. an RNN's h_n: an output with the same units, when it has them
+        for extra in extras:  # e.g. an RNN's h_n: an output with the same units, when it has them
             if extra.ndim and self.grad_stats.judged(extra):
                 self.record_output(extra)
-        if self.plan.grads_through_function and first.requires_grad and torch.compiler.is_compiling():
+        if self.shared.plan.grads_through_function and first.requires_grad and torch.compiler.is_compiling():
             if can_pass_through(output, first):
                 return pass_through(output, first, (self, *self.also))
             self.grad_left_out = True  # said at the flush (ModelWatch.check_grads_left_out)
@@ -310,7 +322,7 @@ class OutputTap:
         (``host_branch.py``), or where it is not in use is computed at every step and masked; with
         ``detail="full"`` (a constant for the compiled code) every step records it in the graph. The
         forward check's sum fuses into the kernel that makes the output or reads it next."""
-        local = local_tensor(out)
+        local = out if type(out) is torch.Tensor else local_tensor(out)  # no call traced for plain tensors
         shared = self.shared
         cells = self.forward_cells  # [first call | output elements | output statistics]
         with torch.no_grad():
