@@ -1,7 +1,8 @@
 """The taps' cells: every layer's per-step accumulators, declared when the monitor attaches.
 
-One flat storage per kind and device (``DeviceCells``), so that ``Recorder.record_step`` reads
-and zeroes every layer's cells with a few ops whatever the number of layers; each tap holds
+One flat storage per kind and device (``DeviceCells``; the backward counts and the dead-unit
+evidence share one, a row per layer), so that ``Recorder.record_step`` reads and zeroes every
+layer's cells with a few ops whatever the number of layers; each tap holds
 aliases of its layer's part (``taps.OutputTap``). What every tap on a device shares (the
 recording flags, the forward clock, the sampling flag, the projection weights) is one object,
 ``DeviceTapState``, that each tap reaches through one attribute.
@@ -117,13 +118,20 @@ class DeviceCells:
     #: [n x (1 + K)] per layer: its first-call clock value of the step, then the declared output
     #: statistics' K accumulators (the output elements first; registry/outputs.py), in the stat dtype
     forward: torch.Tensor
-    #: [n x 3] per layer: its output gradients' sum of squares, calls and samples
+    #: per layer, one contiguous row: its output gradients' sum of squares, calls and samples, then
+    #: its per-unit evidence. One tensor per layer for its tap to read and its op to write
+    #: (``host_branch.add_output_grad``, which slices it): each tensor a compiled tap reads is a
+    #: graph input, a tensor AOTAutograd saves for the backward, and a fake tensor with guards while
+    #: dynamo traces (benchmarks/RESULTS.md, twenty-third session). (Two aliases of one storage handed
+    #: to one op made inductor copy it at every call: one row, sliced inside, is not that.)
     backward: torch.Tensor
-    #: [units] every layer's per-unit evidence, in layer order: a storage of its own, so that the op
-    #: that writes a layer's backward cells and its evidence (``host_branch.add_output_grad``) is
-    #: handed two tensors that do not alias (two aliases of one storage made inductor copy it at
-    #: every call)
-    units: torch.Tensor
+    #: [3n] where the layers' sums of squares, calls and samples are in ``backward`` (in that
+    #: order, then layer order: ``grad_counts``)
+    grad_index: torch.Tensor
+    #: [units] where every layer's per-unit evidence is in ``backward``, in layer order
+    unit_index: torch.Tensor
+    #: [n] where each layer's row starts in ``backward``
+    row_start: np.ndarray
     #: the clock, the sampling flag and the projection weights every tap here reads
     shared: DeviceTapState
 
@@ -141,22 +149,32 @@ class DeviceCells:
         """[n x K] the declared output statistics' accumulators of the step (a strided view)."""
         return self.forward[:, 1:]
 
-    @property
     def grad_counts(self) -> torch.Tensor:
-        """[3 x n] the output gradients' sums of squares, calls and samples (a strided view)."""
-        return self.backward.view(self.n, 3).t()
+        """[3 x n] the output gradients' sums of squares, calls and samples (gathered: one op)."""
+        return self.backward.index_select(0, self.grad_index).view(3, self.n)
+
+    def units(self) -> torch.Tensor:
+        """[units] every layer's per-unit evidence, in layer order (gathered: one op)."""
+        return self.backward.index_select(0, self.unit_index)
 
     @classmethod
-    def declare(cls, plan: "RecordingFlags", device: torch.device, members: list[int], units: int) -> "DeviceCells":
-        """Zeroed cells on ``device`` for the layers ``members`` (global indices) with ``units`` units in all."""
+    def declare(cls, plan: "RecordingFlags", device: torch.device, members: list[int], units: list[int]) -> "DeviceCells":
+        """Zeroed cells on ``device`` for the layers ``members`` (global indices) with ``units`` units each."""
         n, dtype = len(members), stat_dtype(device)
+        sizes = np.array([3 + u for u in units], dtype=np.int64)
+        start = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if n else np.zeros(0, dtype=np.int64)
+        grad_index = np.concatenate([start + j for j in range(3)]) if n else np.zeros(0, dtype=np.int64)
+        unit_index = [np.arange(s + 3, s + 3 + u) for s, u in zip(start, units)]
         return cls(
             device=device,
             layers=np.array(members, dtype=np.int64),
             sums=torch.zeros(n, dtype=torch.float32, device=device),
             forward=torch.zeros(n, 1 + registry.accumulator_count(), dtype=dtype, device=device),
-            backward=torch.zeros(3 * n, dtype=dtype, device=device),
-            units=torch.zeros(units, dtype=dtype, device=device),
+            backward=torch.zeros(int(sizes.sum()), dtype=dtype, device=device),
+            grad_index=torch.as_tensor(grad_index, dtype=torch.int64, device=device),
+            unit_index=torch.as_tensor(np.concatenate(unit_index) if unit_index else np.zeros(0, dtype=np.int64),
+                                       dtype=torch.int64, device=device),  # fmt: skip
+            row_start=start,
             shared=DeviceTapState.declare(plan, device),
         )
 
@@ -165,7 +183,6 @@ class DeviceCells:
         taps write them on sampled steps only). The forward sums are zeroed at every step, by
         the copy that moves them into the step's row (``Recorder``)."""
         self.backward.zero_()
-        self.units.zero_()
         self.forward.zero_()
         self.shared.clock.fill_(self.shared.clock_scale.start)
 
@@ -201,16 +218,14 @@ class Cells:
         per_layer: dict[int, tuple[DeviceCells, int, int]] = {}
         for device, members in by_device.items():
             units = [int(unit_count[i]) for i in members]
-            cells = DeviceCells.declare(self.plan, device, members, sum(units))
+            cells = DeviceCells.declare(self.plan, device, members, units)
             self.devices.append(cells)
             if not host_branch.IN_USE:  # only the masked path reads the sampling flag on the device
                 self.plan.device_flags.append((cells.shared.sampled, cells.shared.sampled_count))
-            offset = 0
             for k, i in enumerate(members):
-                per_layer[i] = (cells, k, offset)
-                offset += units[k]
+                per_layer[i] = (cells, k, int(cells.row_start[k]))
         for i, layer in enumerate(layers):
-            cells, k, offset = per_layer[i]
+            cells, k, start = per_layer[i]
             self.taps.append(
                 OutputTap(
                     layer,
@@ -219,8 +234,7 @@ class Cells:
                     index=i,
                     forward_sum=_alias(cells.sums, k, k + 1),
                     forward_cells=cells.forward.data[k].data,
-                    grad_cells=_alias(cells.backward, 3 * k, 3 * k + 3),
-                    units=_alias(cells.units, offset, offset + int(unit_count[i])),
+                    grad_row=_alias(cells.backward, start, start + 3 + int(unit_count[i])),
                 )
             )
 
@@ -230,7 +244,8 @@ class Cells:
         return sum(
             t.numel() * t.element_size()
             for cells in self.devices
-            for t in (cells.sums, cells.forward, cells.backward, cells.units, *cells.shared.tensors)
+            for t in (cells.sums, cells.forward, cells.backward, cells.grad_index, cells.unit_index,
+                      *cells.shared.tensors)
         )
 
     def follow_output_magnitudes(self, act_rms: dict[str, np.ndarray], out_grad_norm: dict[str, np.ndarray]) -> None:

@@ -44,19 +44,19 @@ class GradTap:
     Args:
         grad_stats: what one output gradient contributes.
         host: the host counts; ``index``: this layer's place in them.
-        grad_cells: the layer's (3,) backward cells: sum of squares, calls, samples (what compiled
-            code reads, sliced at offsets equal across layers); ``units``: its dead-unit evidence cell.
+        grad_row: the layer's backward cells, one tensor (what compiled code reads, sliced at offsets
+            equal across layers): sum of squares, calls, samples, then its dead-unit evidence.
         failed: called with an exception raised inside the hook (reported at step()).
     """
 
-    def __init__(self, grad_stats: GradStatistics, *, host: HostCells, index: int, grad_cells: torch.Tensor,
-                 units: torch.Tensor, failed: Callable[[BaseException], None]) -> None:  # fmt: skip
+    def __init__(self, grad_stats: GradStatistics, *, host: HostCells, index: int, grad_row: torch.Tensor,
+                 failed: Callable[[BaseException], None]) -> None:  # fmt: skip
         self.grad_stats = grad_stats
         self.host, self.index = host, index
-        self.grad_cells, self.units = grad_cells, units
+        self.grad_row = grad_row
         # The same cells as the one-op writes' shapes (eager): the sum of squares 0-d, the units a row.
-        self.step_sq = grad_cells.data[0:1].view(())
-        self.unit_row = units.data.view(1, units.numel())
+        self.step_sq = grad_row.data[0:1].view(())
+        self.unit_row = grad_row.data[3:].view(1, grad_row.numel() - 3)
         self.failed = failed
         self.grad_at = -1  # plan.step of this layer's latest output gradient (eager)
 
@@ -95,17 +95,17 @@ class GradTap:
         sampled steps only, by the opaque op that reads the host's flag when it runs
         (``host_branch.py``: nothing on the others, no statistics compiled into the graph), or where
         it is not in use, computed at every step and masked."""
-        stats, cells, weights = self.grad_stats, self.grad_cells, shared.weights
+        stats, row, weights = self.grad_stats, self.grad_row, shared.weights
         if shared.plan.every_step:
-            stats.add_to_cells(g, weights, cells, self.units)
+            stats.add_to_cells(g, weights, row[0:3], row[3:])
         elif host_branch.IN_USE:
-            host_branch.add_output_grad(g, cells, self.units, weights, shared.plan.key, stats.units,
-                                        stats.channel_first, stats.unit_sums)  # fmt: skip
+            host_branch.add_output_grad(g, row, weights, shared.plan.key, stats.units, stats.channel_first,
+                                        stats.unit_sums)  # fmt: skip
         else:
             count = shared.sampled_count
-            cells[1:2].add_(count)
+            row[1:2].add_(count)
             sq, evidence = masked(shared, stats.deltas(g, weights))
-            cells[0:1].add_(sq)
+            row[0:1].add_(sq)
             if stats.judged(g):
-                self.units.add_(evidence)
-                cells[2:3].add_(count * stats.samples(g))
+                row[3:].add_(evidence)
+                row[2:3].add_(count * stats.samples(g))

@@ -92,18 +92,18 @@ def follow_sampling(key: int, flags: "RecordingFlags") -> None:
         GATE[key] = flags.sampling
 
 
-def _add_output_grad(grad: torch.Tensor, cells: torch.Tensor, units: torch.Tensor, weights: torch.Tensor,
-                     flags_key: int, unit_count: int, channel_first: bool, unit_sums: bool) -> None:  # fmt: skip
-    """On sampled steps, one output gradient into its layer's backward cells (``cells``: sum of
-    squares, calls, samples; ``units``: its dead-unit evidence): ``GradStatistics.add_to_cells``
+def _add_output_grad(grad: torch.Tensor, row: torch.Tensor, weights: torch.Tensor, flags_key: int, unit_count: int,
+                     channel_first: bool, unit_sums: bool) -> None:  # fmt: skip
+    """On sampled steps, one output gradient into its layer's backward cells (``row``: sum of
+    squares, calls, samples, then its dead-unit evidence): ``GradStatistics.add_to_cells``
     (the layer's facts are arguments: they are equal across layers of the same shape). Nothing on
     the others."""
     if not GATE[flags_key]:
         return
-    stats = GradStatistics(unit_count, channel_first, weights, cells.dtype)
+    stats = GradStatistics(unit_count, channel_first, weights, row.dtype)
     stats.unit_sums = unit_sums
     with torch.no_grad():
-        stats.add_to_cells(grad, weights, cells, units)
+        stats.add_to_cells(grad, weights, row[0:3], row[3:])
 
 
 def _mark_output(output: torch.Tensor, cells: torch.Tensor, clock: torch.Tensor, tick: float, flags_key: int,
@@ -124,8 +124,8 @@ def _returns_nothing(*args: object) -> None:
 
 
 _SCHEMAS = {
-    "add_output_grad": ("(Tensor grad, Tensor(a!) cells, Tensor(b!) units, Tensor weights, int flags_key,"
-                        " int unit_count, bool channel_first, bool unit_sums) -> ()", _add_output_grad),
+    "add_output_grad": ("(Tensor grad, Tensor(a!) row, Tensor weights, int flags_key, int unit_count,"
+                        " bool channel_first, bool unit_sums) -> ()", _add_output_grad),
     "mark_output": ("(Tensor output, Tensor(a!) cells, Tensor(b!) clock, float tick, int flags_key,"
                     " bool statistics) -> ()", _mark_output),
 }  # fmt: skip
@@ -135,8 +135,9 @@ _SCHEMAS = {
 #: the FX graph, which names the op and overload but not how the wrapper calls it, so a change of
 #: calling convention takes a new overload name: ``default`` went through the dispatcher, ``direct``
 #: called the kernels at every step, ``gated`` calls them behind :data:`GATE` (code cached by this
-#: gradwatch names the gate, which an older one lacks: it must not be served to one).
-OVERLOAD = "gated"
+#: gradwatch names the gate, which an older one lacks: it must not be served to one); ``gated_row``
+#: takes each layer's backward cells and dead-unit evidence as one row (``cells.DeviceCells.backward``).
+OVERLOAD = "gated_row"
 #: the ops as inductor's wrapper names them
 _OP_NAMES = tuple(f"torch.ops.gradwatch.{name}.{OVERLOAD}" for name in _SCHEMAS)
 

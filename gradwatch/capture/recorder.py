@@ -296,9 +296,7 @@ class _CellMoves:
         self.whole = k == len(layout.names)  # the usual case: every layer on the buffer's device
         self.sums = cells.sums
         self.first_calls = cells.first_calls
-        self.out_grad = cells.grad_counts  # [3 x k]: sums of squares, calls, samples
-        self.out_sq = self.out_grad[0]
-        self.units = cells.units
+        self.cells = cells  # its backward rows are gathered on sampled steps (``DeviceCells.grad_counts``)
         # CPU: the forward sums move on the host, through numpy views of the same memory made once:
         # right after backward each dispatcher call pays 40-90 us of cold caches (this move: 43 us
         # in context with copy_ and zero_, 22 with numpy; benchmarks/RESULTS.md, twenty-second
@@ -314,6 +312,7 @@ class _CellMoves:
         self.stats = cells.outputs if stats else None
         self.stats_rows = [buffer.row(OUT_STATS, t) for t in range(flush_every)] if stats else []
         self.out_rows = [buffer.row(OUT_GRAD, t) for t in range(flush_every)]
+        self.out_flat = [row.view(-1) for row in self.out_rows] if self.whole else []  # index_select's out=
         self.to_buffer = buffer.device
         if not self.whole:  # a model spread over several devices: this device's layers and units
             self.layer_index = index_tensor(cells.layers, buffer.device)
@@ -324,12 +323,7 @@ class _CellMoves:
     def into_row(self, slot: int, sampled: bool, scale: torch.Tensor | None, units_window: torch.Tensor,
                  scale_units: bool) -> None:  # fmt: skip
         """Copy the step's cells into row ``slot`` (and the unit evidence into the window's)."""
-        if scale is not None and sampled:
-            # The taps saw scaled output gradients (GradScaler): unscale their sums of squares.
-            inverse = scale.square().reciprocal()
-            self.out_sq.mul_(inverse)
-            if scale_units:  # sums of squares compared with dead_eps; a projection's zeros need nothing
-                self.units.mul_(inverse)
+        cells = self.cells
         if self.whole:
             if self.sums_host is not None:
                 self.fwd_host[slot] = self.sums_host
@@ -339,8 +333,10 @@ class _CellMoves:
                 self.sums.zero_()
             if sampled:
                 self.order_rows[slot].copy_(self.first_calls)
-                self.out_rows[slot].copy_(self.out_grad)
-                units_window.add_(self.units)
+                torch.index_select(cells.backward, 0, cells.grad_index, out=self.out_flat[slot])
+                units = cells.units()
+                _unscale(self.out_rows[slot], units, scale, scale_units)
+                units_window.add_(units)
                 if self.stats is not None:
                     self.stats_rows[slot].copy_(self.stats)
             return
@@ -349,7 +345,21 @@ class _CellMoves:
         self.sums.zero_()  # after the copy in stream order (a copy across devices syncs both streams)
         if sampled:
             self.order_rows[slot].index_copy_(0, self.layer_index, self.first_calls.to(to, non_blocking=True))
-            self.out_rows[slot].index_copy_(1, self.layer_index, self.out_grad.to(to, non_blocking=True))
-            units_window.index_add_(0, self.unit_index, self.units.to(to, non_blocking=True))
+            counts, units = cells.grad_counts(), cells.units()
+            _unscale(counts, units, scale, scale_units)
+            self.out_rows[slot].index_copy_(1, self.layer_index, counts.to(to, non_blocking=True))
+            units_window.index_add_(0, self.unit_index, units.to(to, non_blocking=True))
             if self.stats is not None:
                 self.stats_rows[slot].index_copy_(0, self.layer_index, self.stats.to(to, non_blocking=True))
+
+
+def _unscale(counts: torch.Tensor, units: torch.Tensor, scale: torch.Tensor | None, scale_units: bool) -> None:
+    """The taps saw scaled output gradients (GradScaler, ``scale``): unscale their sums of squares
+    (``counts[0]``, of [3 x layers]) and, where ``scale_units`` (sums of squares compared with
+    dead_eps; a projection's zeros need nothing), the units' evidence. Nothing without a scale."""
+    if scale is None:
+        return
+    inverse = scale.square().reciprocal()
+    counts[0].mul_(inverse)
+    if scale_units:
+        units.mul_(inverse)

@@ -28,8 +28,8 @@ What dynamo needs, each measured on torch 2.13 (tests/test_compile.py keeps them
   (``t[i]``, ``t.detach()``) would share the counter, and views of one base also fail
   fake-tensor conversion.
 - Cells have shape ``(1,)`` at least: a captured 0-d tensor mutated in compiled code loses the write.
-- A tap holds one row of cells per kind (forward, backward, its forward sum, its dead-unit
-  evidence) and reaches what the taps of its device share through one attribute (``shared``);
+- A tap holds three tensors of cells (its forward sum; its forward row; its backward row, the
+  dead-unit evidence after the counts) and reaches what the taps of its device share through one attribute (``shared``);
   its output-gradient hook is a method of the tap, so compiled code reaches that state by the
   same path (``cells.py`` says why: every tensor read is a guard and a graph input, every object
   reached by two paths a guard evaluated in Python).
@@ -162,18 +162,16 @@ class OutputTap:
     """
 
     def __init__(self, layer: LayerSpec, shared: DeviceTapState, *, host: HostCells, index: int,
-                 forward_sum: torch.Tensor, forward_cells: torch.Tensor, grad_cells: torch.Tensor,
-                 units: torch.Tensor) -> None:  # fmt: skip
+                 forward_sum: torch.Tensor, forward_cells: torch.Tensor, grad_row: torch.Tensor) -> None:  # fmt: skip
         #: the recording flags, clock, sampling flag and projection weights of the layer's device: the
         #: one path by which compiled code reaches them (``cells.py``: an object reached by two
         #: paths costs a guard evaluated in Python at every call)
         self.shared = shared
         self.name = layer.name  # read on the failure path only
         #: what each output gradient contributes (sum of squares, dead-unit evidence)
-        self.grad_stats = GradStatistics(layer.units, layer.channel_first, shared.weights, grad_cells.dtype)
+        self.grad_stats = GradStatistics(layer.units, layer.channel_first, shared.weights, grad_row.dtype)
         #: what the layer records of its output gradients (``on_output_grad`` hands it the shared state)
-        self.grad_tap = GradTap(self.grad_stats, host=host, index=index, grad_cells=grad_cells, units=units,
-                                failed=self.failed)  # fmt: skip
+        self.grad_tap = GradTap(self.grad_stats, host=host, index=index, grad_row=grad_row, failed=self.failed)
         #: eager taps count output elements and their place in the forward on the host
         self.host, self.index = host, index
         self.forward_sum = forward_sum

@@ -274,9 +274,10 @@ def test_buffer_memory_does_not_grow():
     # request mark per layer. The step's cells: the first-call clock and 3 backward values per
     # layer, the units, the clock, 3 accumulators per layer, the sampled-step flag as a number; in
     # float32 the forward check's sum per layer and the projection weights (16384); the
-    # sampled-step flag as a bool (1 byte).
+    # sampled-step flag as a bool (1 byte); in int64 where the backward values (3 per layer) and
+    # the units (9) are in the layers' backward rows.
     assert sizes[0] == (8 * (3 * (4 * 4 + 5 * 2 + 2 + 3 * 2) + 9 + 2) + 8 * (4 * 2 + 9 + 1 + 3 * 2 + 1)
-                        + 4 * (2 + 16384) + 1)  # fmt: skip
+                        + 4 * (2 + 16384) + 1 + 8 * (3 * 2 + 9))  # fmt: skip
     monitor.close()
 
 

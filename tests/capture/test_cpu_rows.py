@@ -128,8 +128,9 @@ def test_the_compiled_taps_ops_write_exact_statistics_of_tiny_channels_last_grad
     g = (torch.randn(_SHAPE) * 1e-25).contiguous(memory_format=torch.channels_last)
     g[:, 3] = 0.0
     weights = torch.ones(1 << 14)
-    grad_cells, units = torch.zeros(3, dtype=torch.float64), torch.zeros(16, dtype=torch.float64)
-    host_branch.add_output_grad(g, grad_cells, units, weights, flags.key, 16, True, False)
+    row = torch.zeros(3 + 16, dtype=torch.float64)  # the layer's backward cells, then its units
+    grad_cells, units = row[:3], row[3:]
+    host_branch.add_output_grad(g, row, weights, flags.key, 16, True, False)
     rows = g.double().square().sum(dim=(2, 3))
     torch.testing.assert_close(grad_cells[0:1], rows.sum().reshape(1), rtol=1e-12, atol=0)
     assert grad_cells[1:].tolist() == [1.0, _SHAPE[0]]  # one call, its images as samples
@@ -144,7 +145,7 @@ def test_the_compiled_taps_ops_write_exact_statistics_of_tiny_channels_last_grad
     assert forward[3] == float(torch.count_nonzero(g))
     flags.sampling = False
     written = [t.clone() for t in (grad_cells, units, forward, clock)]
-    host_branch.add_output_grad(g, grad_cells, units, weights, flags.key, 16, True, False)
+    host_branch.add_output_grad(g, row, weights, flags.key, 16, True, False)
     host_branch.mark_output(g, forward, clock, 2.0, flags.key, True)
     for before, after in zip(written, (grad_cells, units, forward, clock)):
         assert torch.equal(before, after)  # unsampled: nothing computed, nothing written
