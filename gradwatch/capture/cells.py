@@ -24,7 +24,7 @@ import torch
 
 from .. import registry
 from .buffer import stat_dtype
-from .grad_statistics import FLOAT32_SAFE_NORM
+from .grad_statistics import FLOAT32_SAFE_NORM, ROW_COUNTS
 from .host_cells import ClockScale, HostCells
 from .layers import LayerSpec
 
@@ -161,10 +161,11 @@ class DeviceCells:
     def declare(cls, plan: "RecordingFlags", device: torch.device, members: list[int], units: list[int]) -> "DeviceCells":
         """Zeroed cells on ``device`` for the layers ``members`` (global indices) with ``units`` units each."""
         n, dtype = len(members), stat_dtype(device)
-        sizes = np.array([3 + u for u in units], dtype=np.int64)
-        start = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if n else np.zeros(0, dtype=np.int64)
-        grad_index = np.concatenate([start + j for j in range(3)]) if n else np.zeros(0, dtype=np.int64)
-        unit_index = [np.arange(s + 3, s + 3 + u) for s, u in zip(start, units)]
+        sizes = ROW_COUNTS + np.array(units, dtype=np.int64)
+        start = np.cumsum(sizes) - sizes  # each layer's row: its counts, then its units
+        grad_index = np.concatenate([start + j for j in range(ROW_COUNTS)])
+        unit_rows = (np.arange(s, s + u) for s, u in zip(start + ROW_COUNTS, units))
+        unit_index = np.concatenate([np.zeros(0, dtype=np.int64), *unit_rows])
         return cls(
             device=device,
             layers=np.array(members, dtype=np.int64),
@@ -172,8 +173,7 @@ class DeviceCells:
             forward=torch.zeros(n, 1 + registry.accumulator_count(), dtype=dtype, device=device),
             backward=torch.zeros(int(sizes.sum()), dtype=dtype, device=device),
             grad_index=torch.as_tensor(grad_index, dtype=torch.int64, device=device),
-            unit_index=torch.as_tensor(np.concatenate(unit_index) if unit_index else np.zeros(0, dtype=np.int64),
-                                       dtype=torch.int64, device=device),  # fmt: skip
+            unit_index=torch.as_tensor(unit_index, dtype=torch.int64, device=device),
             row_start=start,
             shared=DeviceTapState.declare(plan, device),
         )
@@ -234,7 +234,7 @@ class Cells:
                     index=i,
                     forward_sum=_alias(cells.sums, k, k + 1),
                     forward_cells=cells.forward.data[k].data,
-                    grad_row=_alias(cells.backward, start, start + 3 + int(unit_count[i])),
+                    grad_row=_alias(cells.backward, start, start + ROW_COUNTS + int(unit_count[i])),
                 )
             )
 

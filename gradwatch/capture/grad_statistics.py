@@ -19,6 +19,10 @@ from . import cpu_rows
 
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 
+#: A layer's backward row (``cells.DeviceCells.backward``) starts with this many counts (its output
+#: gradients' sum of squares, calls and samples); its dead-unit evidence follows them.
+ROW_COUNTS = 3
+
 #: A layer whose output-gradient norm stayed within these bounds over a window has its next window's
 #: eager statistics reduced in float32 on the CPU (``GradStatistics.float32``; the switch is
 #: ``registry.outputs.CPU_ROWS``, act_rms's too): the squares of a total
@@ -74,17 +78,18 @@ class GradStatistics:
         units = evidence.square().to(self.dtype) if evidence is not None else g.new_zeros(0, dtype=self.dtype)
         return sq.to(self.dtype).reshape(1), units
 
-    def add_to_cells(self, g: torch.Tensor, weights: torch.Tensor, cells: torch.Tensor, units: torch.Tensor) -> None:
-        """Add one output gradient of a recorded step to a layer's device cells: ``cells`` (sum of
-        squares, calls, samples) and ``units`` (its dead-unit evidence, squared); ``weights`` as in
-        :meth:`of`. What compiled code records where every step is (``detail="full"``, traced) and
-        what the opaque op of ``host_branch.py`` records on sampled steps (run eagerly)."""
+    def add_to_cells(self, g: torch.Tensor, weights: torch.Tensor, row: torch.Tensor) -> None:
+        """Add one output gradient of a recorded step to a layer's backward row on the device: its
+        counts (sum of squares, calls, samples) and its dead-unit evidence, squared, after them
+        (:data:`ROW_COUNTS`); ``weights`` as in :meth:`of`. What compiled code records where every
+        step is (``detail="full"``, traced) and what the opaque op of ``host_branch.py`` records on
+        sampled steps (run eagerly)."""
         sq, evidence, samples = self.of(g, weights)
-        cells[1:2].add_(1.0)
-        cells[0:1].add_(sq)
+        row[1:2].add_(1.0)
+        row[0:1].add_(sq)
         if evidence is not None:
-            units.addcmul_(evidence, evidence)
-            cells[2:3].add_(samples)
+            row[ROW_COUNTS:].addcmul_(evidence, evidence)
+            row[2:3].add_(samples)
 
     def of(self, g: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """(sum of squares, per-unit evidence or None, the samples behind it) of one output gradient:

@@ -16,7 +16,7 @@ import torch
 
 from ..distributed.sharding import local_tensor
 from . import host_branch
-from .grad_statistics import GradStatistics
+from .grad_statistics import ROW_COUNTS, GradStatistics
 from .host_cells import HostCells
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ class GradTap:
         self.grad_row = grad_row
         # The same cells as the one-op writes' shapes (eager): the sum of squares 0-d, the units a row.
         self.step_sq = grad_row.data[0:1].view(())
-        self.unit_row = grad_row.data[3:].view(1, grad_row.numel() - 3)
+        self.unit_row = grad_row.data[ROW_COUNTS:].view(1, grad_row.numel() - ROW_COUNTS)
         self.failed = failed
         self.grad_at = -1  # plan.step of this layer's latest output gradient (eager)
 
@@ -97,7 +97,7 @@ class GradTap:
         it is not in use, computed at every step and masked."""
         stats, row, weights = self.grad_stats, self.grad_row, shared.weights
         if shared.plan.every_step:
-            stats.add_to_cells(g, weights, row[0:3], row[3:])
+            stats.add_to_cells(g, weights, row)
         elif host_branch.IN_USE:
             host_branch.add_output_grad(g, row, weights, shared.plan.key, stats.units, stats.channel_first,
                                         stats.unit_sums)  # fmt: skip
@@ -107,5 +107,5 @@ class GradTap:
             sq, evidence = masked(shared, stats.deltas(g, weights))
             row[0:1].add_(sq)
             if stats.judged(g):
-                row[3:].add_(evidence)
+                row[ROW_COUNTS:].add_(evidence)
                 row[2:3].add_(count * stats.samples(g))

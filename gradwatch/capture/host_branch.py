@@ -103,7 +103,7 @@ def _add_output_grad(grad: torch.Tensor, row: torch.Tensor, weights: torch.Tenso
     stats = GradStatistics(unit_count, channel_first, weights, row.dtype)
     stats.unit_sums = unit_sums
     with torch.no_grad():
-        stats.add_to_cells(grad, weights, row[0:3], row[3:])
+        stats.add_to_cells(grad, weights, row)
 
 
 def _mark_output(output: torch.Tensor, cells: torch.Tensor, clock: torch.Tensor, tick: float, flags_key: int,

@@ -29,10 +29,10 @@ What dynamo needs, each measured on torch 2.13 (tests/test_compile.py keeps them
   fake-tensor conversion.
 - Cells have shape ``(1,)`` at least: a captured 0-d tensor mutated in compiled code loses the write.
 - A tap holds three tensors of cells (its forward sum; its forward row; its backward row, the
-  dead-unit evidence after the counts) and reaches what the taps of its device share through one attribute (``shared``);
-  its output-gradient hook is a method of the tap, so compiled code reaches that state by the
-  same path (``cells.py`` says why: every tensor read is a guard and a graph input, every object
-  reached by two paths a guard evaluated in Python).
+  dead-unit evidence after the counts) and reaches what the taps of its device share through one
+  attribute (``shared``); its output-gradient hook is a method of the tap, so compiled code
+  reaches that state by the same path (``cells.py`` says why: every tensor read is a guard and a
+  graph input, every object reached by two paths a guard evaluated in Python).
 - Per-layer facts a tap reads are tensors or values equal across layers of the same
   shape: an int constant that differs per layer (an offset, an index) makes every
   block of a regionally compiled model a new graph, and ``fullgraph=True`` then fails
