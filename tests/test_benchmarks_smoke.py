@@ -138,3 +138,39 @@ def test_compiled_contenders_each_keep_their_own_compiled_entries():
     assert alone_codes[0] is not alone_codes[1]
     assert [len(_debug_get_cache_entry_list(code)) for code in alone_codes] == [1, 1]
     torch._dynamo.reset()
+
+
+def test_gpu_check_quick_runs_every_part_on_the_cpu_and_keeps_the_figures(tmp_path):
+    from benchmarks import gpu_check as G
+
+    path = tmp_path / "gpu_check.json"
+    report = G.main(["--quick", "--device", "cpu", "--tiny", "--rounds", "4", "--json", str(path)])
+    import json
+
+    written = json.loads(path.read_text())
+    assert set(written["seconds"]) == {"no_sync", "aten_ops_per_step", "launch_bound", "eager", "compiled"}
+    assert not [name for name, part in written.items() if isinstance(part, dict) and "error" in part]
+    assert all(result.startswith("ok") for result in written["no_sync"].values()) and written["no_sync"]
+    ops = written["aten_ops_per_step"]["mlp2x16"]
+    assert ops["full"] > ops["standard"] > ops["unmonitored"] > 0
+    assert written["launch_bound"]["layers"] == 3 and written["launch_bound"]["step_host_us"] > 0
+    assert set(written["eager"]["mlp2x16"]) == {k.name for k in G.QUICK_CONTENDERS}
+    assert report["launch_bound"]["layers"] == 3
+
+
+def test_gpu_check_keeps_the_figures_of_the_parts_before_one_that_fails(tmp_path):
+    from benchmarks import gpu_check as G
+
+    import json
+
+    path = tmp_path / "out.json"
+
+    def broken():
+        raise RuntimeError("no such kernel")
+
+    report: dict = {}
+    G.run_parts([("first", lambda: {"x": 1}), ("second", broken), ("third", lambda: 3)], report, str(path))
+    written = json.loads(path.read_text())
+    assert written["first"] == {"x": 1} and written["third"] == 3
+    assert written["second"] == {"error": "RuntimeError: no such kernel"}
+    assert list(written["seconds"]) == ["first", "second", "third"]
