@@ -48,7 +48,8 @@ QUICK_CONTENDERS = [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(5
                     C.LightningGradNorm]  # fmt: skip
 #: The compiled contenders of the quick tables: each is one compile of the model (tens of seconds), so
 #: no A/A copy here; the compiled tables come last, where a run cut short loses the least.
-QUICK_COMPILED = [C.compiled(C.Unmonitored, "none, compiled"), C.compiled(C.gradwatch_contender(50), "gradwatch flush=50, compiled"),
+QUICK_COMPILED = [C.compiled(C.Unmonitored, "none, compiled"),
+                  C.compiled(C.gradwatch_contender(50), "gradwatch flush=50, compiled"),
                   C.compiled(C.DefaultStepFloor, "default's read floor, compiled")]  # fmt: skip
 
 
@@ -169,14 +170,16 @@ def full_parts(device: torch.device) -> list[tuple[str, Callable[[], Any]]]:
     ]
 
 
-def standard_workloads(tiny: bool) -> dict[str, Any]:
-    """The workloads of each quick part; ``tiny``: small stand-ins (the CPU smoke test)."""
+def standard_workloads(tiny: bool, quick: bool = True) -> dict[str, Any]:
+    """The workloads of each quick part; ``tiny``: small stand-ins (the CPU smoke test); ``quick``:
+    the compiled no-sync check on the MLP only (each compile takes tens of seconds)."""
     if tiny:
         mlp = W.mlp(depth=2, width=16, batch=8)
         # no compiled table: one compile of each contender would take most of the smoke test's time
         return {"eager": [mlp], "compiled_no_sync": [], "ops": [mlp], "launch_bound": mlp,
                 "compiled": []}  # fmt: skip
-    return {"eager": W.standard(), "compiled_no_sync": [W.mlp()], "ops": [W.mlp(batch=64), W.transformer()],
+    compiled_no_sync = [W.mlp()] if quick else [W.mlp(), W.transformer()]
+    return {"eager": W.standard(), "compiled_no_sync": compiled_no_sync, "ops": [W.mlp(batch=64), W.transformer()],
             "launch_bound": W.mlp(depth=8, width=64, batch=8), "compiled": [W.mlp(), W.transformer()]}  # fmt: skip
 
 
@@ -212,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"# gradwatch GPU check  torch {torch.__version__}, {name}", flush=True)
     report: dict[str, Any] = {"torch": torch.__version__, "device": name}
-    parts = quick_parts(device, standard_workloads(args.tiny), args.rounds)
+    parts = quick_parts(device, standard_workloads(args.tiny, args.quick), args.rounds)
     if not args.quick:  # the full run's tables hold the quick ones' contenders
         parts = [(n, p) for n, p in parts if n not in ("eager", "compiled")] + full_parts(device)
     run_parts(parts, report, args.json)

@@ -8,7 +8,7 @@ set -uo pipefail
 OUT="${OUT:-/tmp/gradwatch-gpu}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 -c 'import torch; print("torch", torch.__version__)'; } \
-  2>&1 | tee "$OUT/device.txt"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c 'import torch; print("torch", torch.__version__)'; } 2>&1 | tee "$OUT/device.txt"
 timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
 timeout 330 python3 benchmarks/gpu_check.py --quick --json "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
