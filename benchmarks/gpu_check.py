@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import contenders as C  # noqa: E402
 from benchmarks import workloads as W  # noqa: E402
-from benchmarks.harness import format_table, host_syncs_between_flushes, measure, paired_ratio  # noqa: E402
+from benchmarks.harness import figure_table, format_table, host_syncs_between_flushes, measure  # noqa: E402
 
 #: The contenders of the quick eager tables: the noise floor, the default, its read floor, and the
 #: per-step alternative users pick (Lightning's grad_norm logged every step).
@@ -112,7 +112,7 @@ def launch_bound(device: torch.device, rounds: int = 200, workload=None) -> dict
     median_us = host[len(host) // 2] * 1e6 if host else float("nan")
     print(f"monitor.step() host time on unsampled steps: median {median_us:.0f} us "
           f"({median_us / layers:.1f} us per layer, {layers} layers)", flush=True)  # fmt: skip
-    return {"table": _figures(results), "step_host_us": median_us, "layers": layers}
+    return {"table": figure_table(results), "step_host_us": median_us, "layers": layers}
 
 
 def overhead_tables(workloads, contenders, rounds: int, warmup: int, device: torch.device) -> dict[str, Any]:
@@ -121,7 +121,7 @@ def overhead_tables(workloads, contenders, rounds: int, warmup: int, device: tor
     for workload in workloads:
         results = measure(workload, contenders, rounds=rounds, warmup=warmup, device=device, sync=_sync(device))
         print(format_table(workload.name, results), flush=True)
-        figures[workload.name] = _figures(results)
+        figures[workload.name] = figure_table(results)
         if device.type == "cuda":
             print(f"peak memory {torch.cuda.max_memory_allocated() / (1 << 20):.0f} MiB (all contenders)")
     return figures
@@ -224,12 +224,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _sync(device: torch.device) -> Callable[[], None] | None:
     return torch.cuda.synchronize if device.type == "cuda" else None
-
-
-def _figures(results) -> dict[str, Any]:
-    base = results[0]
-    return {r.name: {"median_ms": r.median * 1e3, "paired_ratio": paired_ratio(r, base),
-                     "mean_ratio": r.mean / base.mean} for r in results}  # fmt: skip
 
 
 if __name__ == "__main__":

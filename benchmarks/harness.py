@@ -116,6 +116,16 @@ def paired_ratio(result: Result, base: Result, resamples: int = 2000) -> tuple[f
     return float(np.median(ratios)), float(low), float(high)
 
 
+def figure_table(results: list[Result]) -> dict[str, dict]:
+    """Each contender's figures against the first (the unmonitored one), for a JSON report."""
+    base = results[0]
+    return {
+        r.name: {"median_ms": r.median * 1e3, "ratio": r.median / base.median, "paired_ratio": paired_ratio(r, base),
+                 "mean_ratio": r.mean / base.mean, "buffer_bytes": r.buffer_bytes}
+        for r in results
+    }  # fmt: skip
+
+
 def per_layer_us(result: Result, base: Result, layers: int) -> float:
     """Median over rounds of (this step - the unmonitored step of the same round) / layers, in us."""
     import numpy as np

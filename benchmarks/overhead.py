@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import contenders as C  # noqa: E402
 from benchmarks import workloads as W  # noqa: E402
 from benchmarks.harness import (  # noqa: E402
+    figure_table,
     format_table,
     host_syncs_between_flushes,
     measure,
@@ -83,7 +84,7 @@ def compiled_section(rounds: int, warmup: int, device: torch.device, sync=None) 
         for r in results:
             if "out_grad_recorded" in r.report:
                 print(f"  {r.name}: output gradients recorded inside compiled code: {r.report['out_grad_recorded']}")
-        figures[workload.name] = _figures(results)
+        figures[workload.name] = figure_table(results)
     return figures
 
 
@@ -195,7 +196,7 @@ def main() -> None:
         print(format_table(workload.name, results), flush=True)
         plain, watched = host_syncs_between_flushes(workload, device)
         print(f"host syncs in 8 non-flush steps: unmonitored {plain}, gradwatch {watched}")
-        report["workloads"][workload.name] = _figures(results)
+        report["workloads"][workload.name] = figure_table(results)
         if not args.skip_ops:
             report["workloads"][workload.name]["aten_ops_per_step"] = op_table(workload, device)
 
@@ -206,7 +207,7 @@ def main() -> None:
         for workload in W.real_models():
             results = measure(workload, REAL_MODEL_CONTENDERS, real_rounds, 3, device)
             print(format_table(workload.name, results), flush=True)
-            report["real_models"][workload.name] = _figures(results)
+            report["real_models"][workload.name] = figure_table(results)
 
     if "compiled" in sections:
         report["compiled"] = compiled_section(max(rounds // 2, 10), warmup, device)
@@ -236,14 +237,6 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
 
-
-def _figures(results) -> dict:
-    base = results[0]
-    return {
-        r.name: {"median_ms": r.median * 1e3, "ratio": r.median / base.median, "paired_ratio": paired_ratio(r, base),
-                 "mean_ratio": r.mean / base.mean, "buffer_bytes": r.buffer_bytes}
-        for r in results
-    }  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from benchmarks import breakdown as B
@@ -145,8 +147,6 @@ def test_gpu_check_quick_runs_every_part_on_the_cpu_and_keeps_the_figures(tmp_pa
 
     path = tmp_path / "gpu_check.json"
     report = G.main(["--quick", "--device", "cpu", "--tiny", "--rounds", "4", "--json", str(path)])
-    import json
-
     written = json.loads(path.read_text())
     assert set(written["seconds"]) == {"no_sync", "aten_ops_per_step", "launch_bound", "eager", "compiled"}
     assert not [name for name, part in written.items() if isinstance(part, dict) and "error" in part]
@@ -160,8 +160,6 @@ def test_gpu_check_quick_runs_every_part_on_the_cpu_and_keeps_the_figures(tmp_pa
 
 def test_gpu_check_keeps_the_figures_of_the_parts_before_one_that_fails(tmp_path):
     from benchmarks import gpu_check as G
-
-    import json
 
     path = tmp_path / "out.json"
 
