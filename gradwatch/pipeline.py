@@ -133,6 +133,8 @@ class StepPipeline:
             self._fresh_evidence = True
             recorder.sample_rest_of_window(fresh=True)
             return
+        if not probe.has_news(recorder.slot - 1):
+            return
         evidence = self.failures.guarded("the dead-unit check", lambda: probe.after_step(recorder.slot - 1))
         if evidence is None:
             return

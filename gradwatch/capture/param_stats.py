@@ -21,12 +21,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .devices import host_to_device
 from .layers import LayerSpec, rank_gradient
 from .reductions import (  # noqa: F401  (StepRows, nonfinite_counts: their import path before the split)
     CpuBlasStats, ForeachStats, StepRows, TinyStats, _CpuSlots, complex_stats, nonfinite_counts,
 )
-from ..distributed.sharding import is_dtensor, is_partial, local_piece, piece_weight
+from .sharded_sums import ShardedSums
+from ..distributed.sharding import is_dtensor, local_piece, piece_weight
 
 log = logging.getLogger("gradwatch")
 
@@ -118,11 +118,7 @@ class ParamStats:
         self.n_layers, self.world_size = len(layers), max(int(world_size), 1)
         #: FSDP1 pieces (``_compat.fsdp1``), ZeRO fragments or DTensors: partial sums combined over the ranks
         self.sharded = any(is_dtensor(p) for p in params) or any(pieces)
-        self._readers, self._whole_params = readers, c.whole_ids
-        #: DTensor parameters replicated on some mesh dim: their gradients may be Partial there
-        self._dtensors = [p for p in params if is_dtensor(p) and any(pl.is_replicate() for pl in p.placements)]
-        #: ``Collectives.reduce_partials``: a private reduced copy of Partial gradients (None: no collective)
-        self._reduce_partials = reduce_partials
+        self._readers = readers
         self.device = device
         self.cpu_fast = CPU_FAST_PATH
         #: Non-finite elements are counted at every step (the CPU path's host check), not only on
@@ -145,13 +141,10 @@ class ParamStats:
         #: each column's whole tensor: its number of elements and dimensions (not this rank's piece)
         self.numel = np.array([int(np.prod(shapes[j])) if shapes[j] else 1 for j in order], dtype=np.int64)
         self.ndim = np.array([len(shapes[j]) for j in order], dtype=np.int64)
-        #: each column's weight in a world-wide sum when the model is sharded: a whole tensor on
-        #: every rank 1/world, an FSDP1 piece pieces/world (each distinct piece counted once);
-        #: DTensors say theirs at each step (sharding.py)
-        self._base_weights = np.array([pieces[j] / self.world_size if pieces[j] else 1.0 / self.world_size
-                                       for j in order])  # fmt: skip
+        #: the columns' weights in a world-wide sum, and the Partial gradients' private reductions
+        self._world = ShardedSums(self.params, [pieces[j] for j in order], c.whole_ids, self.world_size,
+                                  reduce_partials)  # fmt: skip
         self._plan([keys[j] for j in order])
-        self._weights: dict[tuple, torch.Tensor] = {}
 
     def _plan(self, keys: list) -> None:
         """Group the columns (in their fixed order) by key: contiguous runs of equal keys."""
@@ -162,11 +155,23 @@ class ParamStats:
         # view and a dot per tensor; foreach_norm reads a cold tensor about as fast).
         self._light_groups = self._make_groups([None if k is None else (k[0], k[1], k[2] == TINY and TINY) for k in keys])
         cpu_sizes = [g.cols.stop - g.cols.start for g in self._groups if g.key is not None and g.key[0].type == "cpu"]
-        needed = max(cpu_sizes, default=0)
+        needed = max(cpu_sizes + [len(g.params) for g in self._light_groups if _slot_checked(g.key, self.cpu_fast)],
+                     default=0)  # fmt: skip
         # Slots large enough are kept: a vanishing model re-plans as its tensors cross the tiny
         # line one after another, and new slots cost ~3 ms per re-plan at 500 tensors (unbind).
         if getattr(self, "_slots", None) is None or len(self._slots.slots) < needed:
             self._slots = _CpuSlots(needed)
+        # The common case, reduced without the general loop's layers (``_record_whole``): one group of
+        # every column, dense and whole on this rank, reduced by ``ForeachStats`` (into the float32
+        # slots on the CPU's own path). Each Python call there runs right after backward at ~10x its
+        # warm price (benchmarks/RESULTS.md, twenty-fifth session).
+        light = self._light_groups
+        key = light[0].key if len(light) == 1 else None
+        dense_whole = key is not None and not self.sharded and not self._world.dtensors and not self._readers
+        simple = dense_whole and key[2] != TINY and not key[1].is_complex and (
+            _slot_checked(key, self.cpu_fast) or not self._on_cpu_path(key))  # (CPU float64: counted, elsewhere)
+        self._whole_group = light[0] if simple else None
+        self._whole_slots = simple and _slot_checked(key, self.cpu_fast)
 
     def _replan(self) -> None:
         """The model was cast after attaching (``model.double()``, ``.half()``, ``.to(dtype)``):
@@ -203,13 +208,33 @@ class ParamStats:
         finally:
             torch._C._set_grad_enabled(grad_mode)
 
+    def _record_whole(self, group: _Group, rows: StepRows, present: np.ndarray) -> bool:
+        """``_record`` for the common case (``_plan``'s ``_whole_group``) on a step without max |g|:
+        the same reduction, called directly. False, having written nothing it keeps, where the
+        general path must decide (a gradient missing, a cast after attaching, a reduction that raised)."""
+        params = group.params
+        grads = [p.grad for p in params]
+        if any(map(_is_none, grads)) or params[0].dtype != group.key[1]:
+            return False
+        try:
+            self._foreach.reduce(grads, rows, self._slots if self._whole_slots else None)
+        except Exception:
+            return False  # the general path reduces each tensor alone and names the one that fails
+        present.fill(1)
+        if self._whole_slots and self._slots.found_tiny:
+            self._note_tiers(group.key, 0)
+        return True
+
     def _record(self, rows: StepRows, present: np.ndarray) -> None:
         # Every Python operation here runs right after backward has evicted the interpreter's
         # working set from the caches, at ~10x its usual price: the common case is kept short.
         weights: list[tuple[int, float]] = []
         if self._retier:
             self._apply_retier()
-        private = self._reduced_partials() if self._dtensors else {}
+        whole = self._whole_group
+        if whole is not None and rows.max is None and self._record_whole(whole, rows, present):
+            return
+        private = self._world.reduced_partials()
         for group in self._groups if rows.max is not None else self._light_groups:
             key = group.key
             if key is not None and (group.params[0].dtype != key[1] or group.params[0].device != key[0]):
@@ -239,19 +264,12 @@ class ParamStats:
                 if self._reduce(_group_key(g, self.cpu_fast, dense=True), [g], rows.part(slice(column, column + 1))):
                     present[column] = 0
         if self.sharded:
-            self._apply_weights(rows, weights)
+            self._world.apply(rows, weights)
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
         """A parameter's gradient as this rank holds it: ``p.grad``, or its piece where it is kept
         elsewhere (ZeRO's buffers, FSDP1's flat gradient)."""
         return rank_gradient(p, self._readers.get(id(p)))
-
-    def _reduced_partials(self) -> dict[int, torch.Tensor]:
-        """id(gradient) -> its reduced private copy, for the Partial gradients (read-only: ``p.grad``
-        is never replaced); empty where no collective may be made (their pending sums are read)."""
-        partial = [p.grad for p in self._dtensors if is_partial(p.grad)]
-        reduced = self._reduce_partials(partial) if partial and self._reduce_partials is not None else None
-        return {} if reduced is None else {id(g): r for g, r in zip(partial, reduced)}
 
     def _reduce(self, key: tuple, grads: list[torch.Tensor], rows: StepRows, first: int | None = None) -> list[int]:
         """One group's reduction; if it raises, each tensor alone, so that a tensor that cannot be
@@ -306,6 +324,10 @@ class ParamStats:
         self._retier.clear()
         self._plan(keys)
 
+    def _on_cpu_path(self, key: tuple) -> bool:
+        """Whether a group of ``key`` takes the CPU's own path (slots, host checks, float64 counted)."""
+        return key[0].type == "cpu" and self.cpu_fast
+
     def _reduce_group(self, key: tuple, grads: list[torch.Tensor], rows: StepRows) -> None:
         device, dtype, large = key
         if large == TINY:
@@ -314,7 +336,7 @@ class ParamStats:
         if dtype.is_complex:  # measured by their modulus: sum of |g|^2, max |g|, non-finite elements
             complex_stats(grads, rows, self._foreach.acc_dtype)
             return
-        on_cpu = device.type == "cpu" and self.cpu_fast
+        on_cpu = self._on_cpu_path(key)
         if on_cpu and dtype == torch.float64:  # float32 slots cannot hold them: float64 norms, counted
             self._foreach.reduce(grads, rows, None, count=True)
             return
@@ -326,34 +348,18 @@ class ParamStats:
         else:
             self._foreach.reduce(grads, rows, slots)
 
-    def _apply_weights(self, rows: StepRows, weights: list) -> None:
-        """Weight this rank's sums so that one world-wide sum counts each distinct piece once."""
-        key = tuple(weights)
-        tensor = self._weights.get(key)
-        if tensor is None:
-            values = self._base_weights.copy()
-            for column, weight in weights:
-                values[column] = weight
-            tensor = host_to_device(values, rows.sq.device, rows.sq.dtype)
-            if len(self._weights) < 16:
-                self._weights[key] = tensor
-        rows.sq.mul_(tensor)
-        rows.nonfinite.mul_(tensor)
-
     def param_weights(self) -> np.ndarray:
-        """Each column's weight in a world-wide sum of its *parameter's* pieces (see sharding.py): a
-        ZeRO parameter is whole on every rank (only its gradient is partitioned): 1/world."""
-        return np.array([local_piece(p, self.world_size)[1] if is_dtensor(p)
-                         else 1.0 / self.world_size if id(p) in self._whole_params else base
-                         for p, base in zip(self.params, self._base_weights)])  # fmt: skip
+        """Each column's weight in a world-wide sum of its parameter's pieces (``ShardedSums.param_weights``)."""
+        return self._world.param_weights(self.params)
 
     def drop_references(self) -> None:
         """Forget the parameters (close())."""
         self.params = []
-        self._dtensors = []
-        self._readers, self._whole_params = {}, set()
+        self._world.drop_references()
+        self._readers = {}
         self._groups = []
         self._light_groups = []
+        self._whole_group = None
 
 def _contiguous_groups(keys: list) -> list[tuple[tuple | None, slice]]:
     """(key, columns) of each run of equal keys (the columns are sorted by key)."""
@@ -364,6 +370,11 @@ def _contiguous_groups(keys: list) -> list[tuple[tuple | None, slice]]:
             groups.append((keys[start], slice(start, j)))
             start = j
     return groups
+
+
+def _slot_checked(key: tuple | None, cpu_fast: bool) -> bool:
+    """Whether a group of ``key`` is reduced into the float32 slots and checked on the host."""
+    return cpu_fast and key is not None and key[0].type == "cpu" and key[1] in _SLOT_DTYPES and key[2] != TINY
 
 
 def _group_key(p: torch.Tensor, cpu_fast: bool, dense: bool = False) -> tuple | None:

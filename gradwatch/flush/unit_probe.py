@@ -51,7 +51,7 @@ class UnitProbe:
     def after_step(self, slot: int) -> tuple[np.ndarray, np.ndarray] | None:
         """After ``step()`` wrote row ``slot``: the (dead fraction, rows seen) per layer of the
         window's sampled steps so far, once they are on the host; None until then or when not read."""
-        if self.trigger is None or self.layout.full_window or not self.enabled:
+        if not self.has_news(slot):
             return None
         if slot == self.trigger:
             if self._units is not None:  # CPU buffer: host memory, read now
@@ -67,6 +67,11 @@ class UnitProbe:
             count = int(self.layout.unit_count.sum())
             return self._evidence(values[:count], rows_seen_of(values[None, count:]))
         return None
+
+    def has_news(self, slot: int) -> bool:
+        """Whether :meth:`after_step` may have evidence after row ``slot`` (the trigger step, or a
+        copy in flight); False at nearly every step, which then costs the caller no more."""
+        return (slot == self.trigger or self._pending is not None) and self.enabled and not self.layout.full_window
 
     def reset(self) -> None:
         """A new window: forget a copy still in flight."""

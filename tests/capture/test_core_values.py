@@ -766,3 +766,71 @@ def test_activation_rms_of_a_large_output_in_a_float32_window_is_accurate_on_the
     # the test means something: one float32 norm of the same output is further off
     plain = float(torch.linalg.vector_norm(outputs[2])) / 1024.0
     assert abs(plain - expected[0]) / expected[0] > 1e-7
+
+
+class _SometimesExtra(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.head, self.extra = nn.Linear(32, 4), nn.Linear(32, 4)
+        self.use_extra = False
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.head(h) + (self.extra(h) if self.use_extra else 0.0)
+
+
+def test_unsampled_steps_take_the_direct_reduction_and_fall_back_exactly(tmp_path, monkeypatch, param_path):
+    # #30: on an unsampled step an unsharded model of one dtype is reduced without the general
+    # loop (ParamStats._record_whole); a gradient missing, a NaN, a cast after attaching must still
+    # give every step's grad_norm as an independent float64 computation does.
+    from gradwatch.capture.param_stats import ParamStats
+
+    taken: dict[int, bool] = {}
+    direct = ParamStats._record_whole
+    current = [0]
+
+    def spy(self, *args):
+        taken[current[0]] = direct(self, *args)
+        return taken[current[0]]
+
+    monkeypatch.setattr(ParamStats, "_record_whole", spy)
+    torch.manual_seed(0)
+    model = _SometimesExtra()
+    monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=8)  # steps 0, 1, 8, 9 sampled
+    layers = {"body.0": model.body[0], "body.2": model.body[2], "head": model.head, "extra": model.extra}
+    expected: dict[int, dict[str, float]] = {}
+    with_extra = (5, 6, 9, 13)
+    for step in range(16):
+        current[0] = step
+        model.use_extra = step in with_extra  # "extra" has a gradient at these steps only
+        if step == 11:
+            model.double()  # a cast after attaching: regrouped
+        x = torch.randn(16, 8, dtype=next(model.parameters()).dtype)
+        model(x).pow(2).mean().backward()
+        if step in (6, 9):
+            with torch.no_grad():
+                model.body[2].weight.grad[0, 0] = float("nan")
+        expected[step] = {
+            name: float(torch.linalg.vector_norm(torch.cat([p.grad.double().reshape(-1) for p in m.parameters()])))
+            for name, m in layers.items() if m.weight.grad is not None
+        }  # fmt: skip
+        monitor.step()
+        model.zero_grad(set_to_none=True)
+    monitor.close()
+    scalars = read_scalars(str(tmp_path))
+    for step, norms in expected.items():
+        for name, norm in norms.items():
+            if math.isnan(norm):
+                assert math.isnan(scalars[f"gradwatch/grad_norm/{name}"][step]), (name, step)
+            else:
+                _check(scalars, f"gradwatch/grad_norm/{name}", step, norm)
+    assert sorted(scalars["gradwatch/grad_norm/extra"]) == list(with_extra)
+    if param_path == "cpu-path":  # counted at unsampled steps too (accelerators: on sampled steps)
+        _check(scalars, "gradwatch/nonfinite/body.2", 6, 1.0)
+    _check(scalars, "gradwatch/nonfinite/body.2", 9, 1.0)
+    # taken at the unsampled steps with every gradient, declined at those without one; after the
+    # cast the float64 group is the CPU path's counted one, reduced by the general loop there
+    assert taken[5] and taken[6]
+    assert not any(taken.get(step, False) for step in range(16) if step not in with_extra)
+    assert taken.get(13, False) == (param_path != "cpu-path")
