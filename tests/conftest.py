@@ -36,6 +36,20 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
+@pytest.fixture(autouse=True)
+def _gradwatch_logger_restored():
+    """Every test starts with the ``gradwatch`` logger as the process had it: the benchmarks'
+    ``main()`` functions, which the smoke tests run in-process, silence it (ERROR or CRITICAL) the
+    way a script should, and a test that ran after them in the same xdist worker lost every warning
+    logged outside its own ``caplog.at_level`` block (the cause of a CI failure on 2026-12-04)."""
+    import logging
+
+    logger = logging.getLogger("gradwatch")
+    saved = logger.level, logger.disabled, logger.propagate
+    yield
+    logger.level, logger.disabled, logger.propagate = saved
+
+
 @pytest.fixture
 def lenient(monkeypatch):
     """For tests that inject an error gradwatch must survive as a user's run would: strict mode off."""

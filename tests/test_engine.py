@@ -138,14 +138,15 @@ def test_a_disk_that_fails_every_write_costs_a_few_warnings_not_the_run(tmp_path
     model = nn.Sequential(first, nn.ReLU(), nn.Linear(32, 4))
     if full_from == "the-start":
         monkeypatch.setattr(event_file_writer.EventFileWriter, "add_event", no_space)
-    monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=5)
-    if full_from == "after-opening":
-        assert monitor._stages.outputs.tensorboard is not None
-        monkeypatch.setattr(event_file_writer.EventFileWriter, "add_event", no_space)
-        monkeypatch.setattr(event_file_writer.EventFileWriter, "flush", no_space)
-        monkeypatch.setattr(event_file_writer.EventFileWriter, "close", no_space)
     returned = []
+    # the monitor is built inside the block: opening the writer is where "the-start" first fails
     with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=5)
+        if full_from == "after-opening":
+            assert monitor._stages.outputs.tensorboard is not None
+            monkeypatch.setattr(event_file_writer.EventFileWriter, "add_event", no_space)
+            monkeypatch.setattr(event_file_writer.EventFileWriter, "flush", no_space)
+            monkeypatch.setattr(event_file_writer.EventFileWriter, "close", no_space)
         for _ in range(40):
             model(torch.randn(8, 16)).sum().backward()
             returned += monitor.step()
