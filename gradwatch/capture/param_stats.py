@@ -361,6 +361,7 @@ class ParamStats:
         self._light_groups = []
         self._whole_group = None
 
+
 def _contiguous_groups(keys: list) -> list[tuple[tuple | None, slice]]:
     """(key, columns) of each run of equal keys (the columns are sorted by key)."""
     groups: list[tuple[tuple | None, slice]] = []
