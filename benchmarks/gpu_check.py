@@ -211,14 +211,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return {}
-    logging.getLogger("gradwatch").setLevel(logging.ERROR)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"# gradwatch GPU check  torch {torch.__version__}, {name}", flush=True)
     report: dict[str, Any] = {"torch": torch.__version__, "device": name}
     parts = quick_parts(device, standard_workloads(args.tiny, args.quick), args.rounds)
     if not args.quick:  # the full run's tables hold the quick ones' contenders
         parts = [(n, p) for n, p in parts if n not in ("eager", "compiled")] + full_parts(device)
-    run_parts(parts, report, args.json)
+    # Quiet while it runs (random-label tasks alert), as corpus.main does; restored for a caller
+    # that runs it in-process (the smoke test), whose later warnings would be lost otherwise.
+    logger = logging.getLogger("gradwatch")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        run_parts(parts, report, args.json)
+    finally:
+        logger.setLevel(level)
     return report
 
 

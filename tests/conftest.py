@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from collections import defaultdict
 
@@ -38,12 +39,11 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def _gradwatch_logger_restored():
-    """Every test starts with the ``gradwatch`` logger as the process had it: the benchmarks'
-    ``main()`` functions, which the smoke tests run in-process, silence it (ERROR or CRITICAL) the
-    way a script should, and a test that ran after them in the same xdist worker lost every warning
-    logged outside its own ``caplog.at_level`` block (the cause of a CI failure on 2026-12-04)."""
-    import logging
-
+    """Every test starts with the ``gradwatch`` logger as the process had it. The benchmarks silence
+    it while they run; ``gpu_check.main``, run in-process by a smoke test, left it at ERROR, and a
+    test that ran after it in the same xdist worker lost every warning logged outside its own
+    ``caplog.at_level`` block (a CI failure on 2026-12-04). ``gpu_check.main`` restores it now;
+    this keeps any test that changes the logger from reaching the next."""
     logger = logging.getLogger("gradwatch")
     saved = logger.level, logger.disabled, logger.propagate
     yield
