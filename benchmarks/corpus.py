@@ -72,6 +72,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.harness import gradwatch_logger_at  # noqa: E402
 from gradwatch import GradMonitor  # noqa: E402
 
 KINDS = ("exploding", "vanishing", "dead_units", "nonfinite", "update_ratio")
@@ -769,14 +770,9 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
     runs = quick(families=args.family) if args.quick else corpus(families=args.family)
     start = time.perf_counter()
     outcomes = []
-    logger = logging.getLogger("gradwatch")
-    level = logger.level
     for i, run in enumerate(runs):
-        logger.setLevel(logging.CRITICAL)  # the alerts are counted here, not printed
-        try:
+        with gradwatch_logger_at(logging.CRITICAL):  # the alerts are counted here, not printed
             outcome = execute(run)
-        finally:
-            logger.setLevel(level)
         outcomes.append(outcome)
         status = ("healthy: " + (", ".join(outcome.alerts[:3]) or "silent")) if run.kind is None else (
             "NOT REAL: " + outcome.why_not_real if not outcome.real else

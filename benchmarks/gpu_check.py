@@ -40,7 +40,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import contenders as C  # noqa: E402
 from benchmarks import workloads as W  # noqa: E402
-from benchmarks.harness import figure_table, format_table, host_syncs_between_flushes, measure  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    figure_table,
+    format_table,
+    gradwatch_logger_at,
+    host_syncs_between_flushes,
+    measure,
+)
 
 #: The contenders of the quick eager tables: the noise floor, the default, its read floor, and the
 #: per-step alternative users pick (Lightning's grad_norm logged every step).
@@ -217,15 +223,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parts = quick_parts(device, standard_workloads(args.tiny, args.quick), args.rounds)
     if not args.quick:  # the full run's tables hold the quick ones' contenders
         parts = [(n, p) for n, p in parts if n not in ("eager", "compiled")] + full_parts(device)
-    # Quiet while it runs (random-label tasks alert), as corpus.main does; restored for a caller
-    # that runs it in-process (the smoke test), whose later warnings would be lost otherwise.
-    logger = logging.getLogger("gradwatch")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
+    # Quiet while it runs (random-label tasks alert); restored for a caller that runs it in-process
+    # (the smoke test), whose later warnings would be lost otherwise.
+    with gradwatch_logger_at(logging.ERROR):
         run_parts(parts, report, args.json)
-    finally:
-        logger.setLevel(level)
     return report
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import gc
+import logging
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -149,6 +151,20 @@ def format_table(workload_name: str, results: list[Result]) -> str:
 
 def _bytes(n: int) -> str:
     return f"{n / 1024:.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
+
+
+@contextlib.contextmanager
+def gradwatch_logger_at(level: int) -> Iterator[None]:
+    """The ``gradwatch`` logger at ``level`` inside the block, restored after it: a benchmark counts
+    the alerts it provokes instead of printing them, and a caller running it in-process (the smoke
+    tests) keeps its own level."""
+    logger = logging.getLogger("gradwatch")
+    saved = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(saved)
 
 
 class OpCounter(TorchDispatchMode):

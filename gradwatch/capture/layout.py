@@ -55,7 +55,7 @@ class Layout:
         # of squares and the forward check only. Slot 0 of every window is sampled, then every
         # sample_every-th, and slot 1 where that alone is one slot: every window has output-gradient
         # statistics, and dead units are judged on at least two distinct steps at its own flush.
-        # (Slot 1 as well as 25 at flush_every=50 cost 1.5-3 ops a step for no evidence the
+        # (Slot 1 as well as 25 at flush_every=50 cost 2-3 ops a step for no evidence the
         # window's flush needs: #30.)
         self.sample_every = max(1, int(sample_every))
         self.planned_slots = planned_slots(flush_every, self.sample_every)
