@@ -9,6 +9,7 @@ import numpy as np
 
 from ..alerts import Finding
 from ..flush.window import Window
+from .columns import nan_median_columns
 from .dead_units import DeadUnitsRule
 
 
@@ -62,7 +63,7 @@ class _Causes:
             # Fed: gradient of a real size reaches the output. A deep stack underflowing leaves
             # subnormal output gradients (1e-44) whose products with the input are exactly zero:
             # that is the vanishing run itself, not a zero input.
-            median = np.nanmedian(np.where(w.out_seen, w.out_grad_norm, np.nan), axis=0)
+            median = nan_median_columns(np.where(w.out_seen, w.out_grad_norm, np.nan))
             self.fed = median > dead_rule.config.vanishing_abs_rms
 
     def starved(self, name: str | None) -> bool:

@@ -34,35 +34,44 @@ class UpdateRatioRule:
         """Append the window's findings; ``clear`` gets the clearly healthy layers."""
         calm = np.ones(len(self.layers), dtype=bool)
         measured_any = np.zeros(len(self.layers), dtype=bool)
-        flagged: set[int] = set()
+        flagged = np.zeros(len(self.layers), dtype=bool)
         sources = []
         if w.judged_update_ratio is not None:
-            exact = list(zip(w.update_steps, w.judged_update_ratio, w.judged_weight_rms))  # type: ignore[arg-type]
-            sources.append(("update_streak", exact, "measured steps"))
+            sources.append(("update_streak", w.update_steps, w.judged_update_ratio, w.judged_weight_rms,
+                            "measured steps"))  # fmt: skip
         if w.estimated_update_ratio is not None:
-            estimated = list(zip(w.steps, w.estimated_update_ratio, w.estimated_weight_rms))  # type: ignore[arg-type]
-            sources.append(("estimate_streak", estimated, "steps in a row (estimated from a sample of each matrix)"))
-        for key, rows, what in sources:
-            streak = self.streaks[key]
-            for step, ratio, rms in rows:
-                streak, measured, step_calm = self._advance(streak, ratio, rms)
-                calm &= step_calm
-                measured_any |= measured
-                for i in np.flatnonzero(streak >= self.config.update_ratio_steps):
-                    if int(i) not in flagged:
-                        flagged.add(int(i))
-                        findings.append(self._finding(int(i), int(step), float(ratio[i]), int(streak[i]), what))
-            self.streaks[key] = streak
+            sources.append(("estimate_streak", w.steps, w.estimated_update_ratio, w.estimated_weight_rms,
+                            "steps in a row (estimated from a sample of each matrix)"))  # fmt: skip
+        for key, steps, ratio, rms, what in sources:
+            ratio, rms = np.asarray(ratio, dtype=np.float64)[: len(steps)], np.asarray(rms)[: len(steps)]
+            if not len(ratio):
+                continue
+            streaks, measured, step_calm = self._streaks(self.streaks[key], ratio, rms)
+            calm &= step_calm.all(axis=0)
+            measured_any |= measured.any(axis=0)
+            reached = streaks >= self.config.update_ratio_steps
+            onset = np.where(reached.any(axis=0) & ~flagged, reached.argmax(axis=0), -1)  # each layer's first
+            for t, i in sorted((int(t), int(i)) for i, t in enumerate(onset) if t >= 0):
+                findings.append(self._finding(i, int(steps[t]), float(ratio[t, i]), int(streaks[t, i]), what))
+            flagged |= onset >= 0
+            self.streaks[key] = streaks[-1]
         clear.update(("update_ratio", self.layers[i]) for i in np.flatnonzero(calm & measured_any))
 
-    def _advance(self, streak: np.ndarray, ratio: np.ndarray, rms: np.ndarray) -> tuple[np.ndarray, ...]:
-        """One measured step: a step below the limit ends a streak; unmeasured layers keep theirs."""
+    def _streaks(self, start: np.ndarray, ratio: np.ndarray, rms: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Measured steps [steps, layers], all at once: each layer's streak after each step (a step
+        above the limit adds one, a measured step below it ends the streak, an unmeasured one keeps
+        it; ``start``: the streaks before), which steps were measured, and which were clearly calm."""
         cfg = self.config
         with np.errstate(invalid="ignore"):
             measured = np.isfinite(ratio) & (rms >= cfg.update_ratio_min_weight_rms)
             above = measured & (ratio > cfg.update_ratio_max)
             calm = ~measured | (ratio <= CLEAR * cfg.update_ratio_max)
-        return np.where(above, streak + 1, np.where(measured, 0, streak)), measured, calm
+        counted = np.cumsum(above, axis=0)  # steps above the limit so far
+        rows = np.arange(len(ratio))[:, None]
+        last_end = np.maximum.accumulate(np.where(measured & ~above, rows, -1), axis=0)  # the latest calm step
+        at_end = np.take_along_axis(counted, np.maximum(last_end, 0), axis=0)
+        streaks = np.where(last_end >= 0, counted - at_end, start[None, :] + counted)
+        return streaks, measured, calm
 
     def _finding(self, i: int, step: int, ratio: float, streak: int, what: str) -> Finding:
         limit = self.config.update_ratio_max

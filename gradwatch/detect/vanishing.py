@@ -10,6 +10,7 @@ import numpy as np
 from ..alerts import Finding
 from ..config import HealthConfig
 from ..flush.window import Window
+from .columns import nan_median_columns
 from .serial import by_name, columns_from, nullable
 
 HISTORY_STEPS = 20  # the median is over a layer's last HISTORY_STEPS steps
@@ -76,9 +77,9 @@ class VanishingRule:
         self._remember(w, valid)
         with np.errstate(all="ignore"):
             known = np.sum(~np.isnan(self.rms_history), axis=0) >= MIN_STEPS
-            settled_rms = np.where(known, np.nanmedian(self.rms_history, axis=0), np.nan)
+            settled_rms = np.where(known, nan_median_columns(self.rms_history), np.nan)
             med_rms = np.fmin(settled_rms, self._recent_max(self.rms_history))
-            med_ratio = np.fmin(np.where(known, np.nanmedian(self.ratio_history, axis=0), np.nan),
+            med_ratio = np.fmin(np.where(known, nan_median_columns(self.ratio_history), np.nan),
                                 self._recent_max(self.ratio_history))  # fmt: skip
             below_abs = med_rms < cfg.vanishing_abs_rms
             clear_abs = med_rms >= CLEAR * cfg.vanishing_abs_rms

@@ -250,10 +250,15 @@ class TensorBoardSink:
             for name, value in values:
                 self.writer.add_scalar(name, value, step)
             return
-        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.compat.proto.event_pb2 import Event
 
-        summary = Summary(value=[Summary.Value(tag=name, simple_value=v) for name, v in values])
-        get_file_writer().add_summary(summary, step)
+        # Filled in place: a Summary.Value per scalar handed to Summary(), and that Summary to
+        # Event() (what add_summary does), copies each message again (2-3x the time at every flush).
+        event = Event()
+        add = event.summary.value.add
+        for name, value in values:
+            add(tag=name, simple_value=value)
+        get_file_writer().add_event(event, step)
 
     def _add_heatmap(self, w: Window, alert_steps: list[int] | None = None) -> None:
         if self._heatmap is None:

@@ -457,3 +457,150 @@ def test_the_per_step_shortcut_of_the_exploding_rule_decides_as_the_full_judgeme
         for ring in ("level", "recent", "last_calm", "judged", "exploded_streak", "level_slot", "recent_slot"):
             np.testing.assert_array_equal(getattr(shortcut, ring), getattr(full, ring))
     assert flagged > 10  # the series do explode: both paths were exercised
+
+
+def _windows_row_by_row(rule, table, steps, cols, names, stands=None):
+    """The window judgement as ``judge_row`` alone gives it: the reference for its calm stretches."""
+    import functools
+
+    import numpy as np
+
+    index = np.asarray(cols, dtype=np.int64)
+    first, exploded = {}, np.zeros(len(cols), dtype=bool)
+    for t in range(table.shape[0]):
+        verdict = rule.judge_row(table[t, index], index, None if stands is None else functools.partial(stands, t))
+        for k, why in zip(np.flatnonzero(verdict.over), verdict.why):
+            exploded[k] = True
+            first.setdefault(k, (steps[t], names[cols[k]], float(table[t, index][k]), float(verdict.threshold[k]), why))
+    return [first[k] for k in sorted(first)], ~exploded & np.isfinite(table[:, index]).any(axis=0)
+
+
+def test_the_window_judgement_of_calm_stretches_at_once_decides_as_judge_row_step_by_step():
+    # ExplodingRule.judge_window judges the rows that are calm for sure all at once (the flush's
+    # usual case) and only the others with judge_row. On windows of random walks with spikes, level
+    # shifts, persistent explosions (the relearning), zeros, missing values (a whole column or a
+    # stretch of one), Inf, a veto (stands) and the warm-up, both must give the same findings and
+    # calm columns and leave the same rings, window after window.
+    import numpy as np
+
+    from gradwatch.detect.exploding import ExplodingRule
+
+    rng = np.random.default_rng(1)
+    stretches = flagged = 0
+    for trial in range(40):
+        config = HealthConfig(exploding_warmup_steps=int(rng.choice([0, 5, 20, 80])))
+        layers = int(rng.integers(1, 7))
+        fast, slow = ExplodingRule(config, layers + 1), ExplodingRule(config, layers + 1)
+        cols = list(range(layers + 1)) if trial % 2 else list(range(layers))
+        names = [f"l{k}" for k in range(layers)] + [""]
+        scale = 10 ** rng.uniform(-6, 2, layers + 1)
+        for window in range(int(rng.integers(2, 7))):
+            steps = list(range(window * 50, window * 50 + 50))
+            table = scale * np.exp(np.cumsum(rng.normal(0, rng.uniform(0.01, 0.8), (50, layers + 1)), axis=0))
+            for _ in range(int(rng.integers(0, 4))):  # spikes and level shifts, some lasting past a window
+                t, k = int(rng.integers(0, 50)), int(rng.integers(0, layers + 1))
+                table[t : t + int(rng.integers(1, 70)), k] *= 10 ** rng.uniform(0.5, 6)
+            if rng.random() < 0.3:
+                table[:, int(rng.integers(0, layers + 1))] = np.nan  # a quiet layer
+            if rng.random() < 0.3:
+                t = int(rng.integers(0, 50))
+                table[t : t + int(rng.integers(1, 20)), int(rng.integers(0, layers + 1))] = np.nan
+            if rng.random() < 0.15:
+                table[int(rng.integers(0, 50)), int(rng.integers(0, layers + 1))] = rng.choice([np.inf, 0.0, 1e6])
+            scale = table[-1].copy()
+            scale[~np.isfinite(scale)] = 1.0
+
+            def stands(t, over, jumps):  # a veto that depends on the row, as checks.py's does
+                return (jumps >= 30) | ~np.isfinite(jumps) | (t % 7 == 0)
+
+            veto = stands if rng.random() < 0.5 else None
+            calls = []
+            original = fast._remember_calm_rows
+            fast._remember_calm_rows = lambda *a: calls.append(original(*a) - a[2]) or a[2] + calls[-1]
+            got, got_calm = fast.judge_window(table, steps, cols, names, veto)
+            del fast._remember_calm_rows
+            stretches += sum(n > 1 for n in calls)
+            expected, expected_calm = _windows_row_by_row(slow, table, steps, cols, names, veto)
+            assert [(f.step, f.layer, f.value, f.threshold, f.detail) for f in got] == expected, (trial, window)
+            np.testing.assert_array_equal(got_calm, expected_calm)
+            flagged += len(got)
+            for ring in ("level", "recent", "last_calm", "judged", "exploded_streak", "exploded_recent",
+                         "level_slot", "recent_slot"):  # fmt: skip
+                np.testing.assert_array_equal(getattr(fast, ring), getattr(slow, ring), err_msg=ring)
+    assert stretches > 100 and flagged > 20  # both the stretches and judge_row were exercised
+
+
+def test_the_rules_column_median_is_numpys_nanmedian():
+    # detect/columns.nan_median_columns replaces np.nanmedian(values, axis=0) in the rules (its
+    # masked-array path cost every flush ~0.3 ms a call): the same values, NaN where a column has none.
+    import warnings
+
+    import numpy as np
+
+    from gradwatch.detect.columns import nan_median_columns
+
+    rng = np.random.default_rng(2)
+    for rows in (0, 1, 2, 7, 50):
+        values = np.exp(rng.normal(0, 3, (rows, 9)))
+        values[rng.random((rows, 9)) < 0.3] = np.nan
+        if rows:
+            values[:, 0] = np.nan  # a column with no value
+            values[0, 1] = np.inf
+            values[:, 2] = values[0, 2]  # ties
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns
+            expected = np.nanmedian(values, axis=0) if rows else np.full(9, np.nan)
+        np.testing.assert_array_equal(nan_median_columns(values), expected)
+
+
+def test_the_update_ratio_streaks_of_a_window_at_once_are_those_of_its_steps_one_by_one():
+    # UpdateRatioRule.judge counts each layer's streak over a window's measured steps with array
+    # operations (the flush's cost). Reference: the rule's definition, step by step (a step above the
+    # limit adds one, a measured step below it ends the streak, an unmeasured one keeps it; the
+    # first step at which a layer's streak reaches update_ratio_steps is its finding, once per window).
+    import numpy as np
+
+    from gradwatch.detect.update_ratio import UpdateRatioRule
+    from gradwatch.flush.window import Window
+
+    rng = np.random.default_rng(3)
+    onsets = 0
+    for trial in range(200):
+        layers, config = int(rng.integers(1, 6)), HealthConfig(update_ratio_steps=int(rng.integers(1, 6)))
+        rule = UpdateRatioRule(config, [f"l{i}" for i in range(layers)])
+        streaks = {"update_streak": np.zeros(layers, int), "estimate_streak": np.zeros(layers, int)}
+        for window in range(4):
+            steps, updates = list(range(20 * window, 20 * window + int(rng.integers(0, 12)))), []
+            updates = sorted(rng.choice(100, int(rng.integers(0, 4)), replace=False).tolist())
+
+            def ratios(n):
+                r = 10 ** rng.uniform(-3, 0, (n, layers)) * (rng.random((n, layers)) < 0.9)
+                r[rng.random((n, layers)) < 0.2] = np.nan
+                return r
+
+            w = Window.__new__(Window)  # only what the rule reads
+            w.steps, w.update_steps = steps, updates
+            w.judged_update_ratio = ratios(len(updates)) if rng.random() < 0.8 else None
+            w.judged_weight_rms = 10 ** rng.uniform(-9, 0, (len(updates), layers))
+            w.estimated_update_ratio = ratios(len(steps)) if rng.random() < 0.8 else None
+            w.estimated_weight_rms = 10 ** rng.uniform(-9, 0, (len(steps), layers))
+            findings, clear = [], set()
+            rule.judge(w, findings, clear)
+            expected, flagged = [], set()
+            for key, at, ratio, rms in (("update_streak", updates, w.judged_update_ratio, w.judged_weight_rms),
+                                        ("estimate_streak", steps, w.estimated_update_ratio, w.estimated_weight_rms)):
+                if ratio is None:
+                    continue
+                for t, step in enumerate(at):
+                    for i in range(layers):
+                        measured = np.isfinite(ratio[t, i]) and rms[t, i] >= config.update_ratio_min_weight_rms
+                        if measured:
+                            streaks[key][i] = streaks[key][i] + 1 if ratio[t, i] > config.update_ratio_max else 0
+                        if streaks[key][i] >= config.update_ratio_steps and i not in flagged:
+                            flagged.add(i)
+                            expected.append((f"l{i}", step, repr(float(ratio[t, i])), int(streaks[key][i])))
+                np.testing.assert_array_equal(rule.streaks[key], streaks[key])
+            assert [(f.layer, f.step, repr(f.value), int(f.detail.split(" at ")[1].split()[0])) for f in findings] \
+                == expected, (trial, window)  # fmt: skip
+            onsets += len(expected)
+    assert onsets > 50
