@@ -77,9 +77,9 @@ def measure(workload, windows: int, flush_every: int = 50, device: torch.device 
             opt.step()
             opt.zero_grad()
         layers = len(monitor.layers)
-        monitor.close()
+        result = {label: statistics.median(values[1:]) for label, values in parts.items() if len(values) > 1}
+        monitor.close()  # its last flush is not timed
     warm = steps[flush_every:]
-    result = {label: statistics.median(values[1:]) for label, values in parts.items() if len(values) > 1}
     result["flush step()"] = statistics.median(t for slot, t in warm if slot == flush_every - 1)
     result["unsampled step()"] = statistics.median(t for slot, t in warm if slot not in (0, 1, 25, flush_every - 1))
     return {"layers": layers, "ms": result}

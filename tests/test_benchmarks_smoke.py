@@ -172,3 +172,17 @@ def test_gpu_check_keeps_the_figures_of_the_parts_before_one_that_fails(tmp_path
     assert written["first"] == {"x": 1} and written["third"] == 3
     assert written["second"] == {"error": "RuntimeError: no such kernel"}
     assert list(written["seconds"]) == ["first", "second", "third"]
+
+
+def test_flush_cost_times_every_part_of_the_flush_inside_it():
+    from benchmarks import flush_cost
+
+    figures = flush_cost.measure(_TINY, windows=2, flush_every=10)
+    ms = figures["ms"]
+    assert figures["layers"] == 3
+    parts = ("read (copy, reduce, decode)", "health checks", "write (TensorBoard)")
+    assert set(parts) | {"whole flush", "flush step()", "unsampled step()", "  ExplodingRule"} <= set(ms)
+    assert all(value > 0 for value in ms.values())
+    # each flush holds its own read, checks and write, so its median is at least each of theirs
+    assert all(ms["whole flush"] >= ms[part] for part in parts)
+    assert ms["flush step()"] >= ms["whole flush"]
