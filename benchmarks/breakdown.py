@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import contenders as C  # noqa: E402
 from benchmarks import workloads as W  # noqa: E402
-from benchmarks.harness import format_table, measure  # noqa: E402
+from benchmarks.harness import format_table, gradwatch_logger_at, measure  # noqa: E402
 
 _GradWatch50 = C.gradwatch_contender(50)
 
@@ -138,11 +138,15 @@ def cold_call_costs(workload, steps: int = 120, clock=time.perf_counter) -> dict
 
 
 def main() -> None:
+    with gradwatch_logger_at(logging.ERROR):
+        _main()
+
+
+def _main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=["mlp", "cnn", "transformer"], default="mlp")
     parser.add_argument("--rounds", type=int, default=200)
     args = parser.parse_args()
-    logging.getLogger("gradwatch").setLevel(logging.ERROR)
     workload = {"mlp": W.mlp, "cnn": W.resnet, "transformer": W.transformer}[args.workload]()
     print(f"# gradwatch cost breakdown  torch {torch.__version__}, {torch.get_num_threads()} threads")
     results = measure(

@@ -27,6 +27,8 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.harness import gradwatch_logger_at  # noqa: E402
+
 from gradwatch import GradMonitor  # noqa: E402
 
 Case = Callable[[], tuple[nn.Module, Callable[[], torch.Tensor], Callable[[object, torch.Tensor], torch.Tensor]]]
@@ -192,7 +194,11 @@ CASES: dict[str, Callable[[bool], dict[str, object]]] = {
 
 
 def main(argv: list[str]) -> None:
-    logging.getLogger("gradwatch").setLevel(logging.ERROR)
+    with gradwatch_logger_at(logging.ERROR):
+        _main(argv)
+
+
+def _main(argv: list[str]) -> None:
     print(f"torch {torch.__version__}, aot_eager, 12 steps, windows of 6\n")
     print("| case | graphs without / with gradwatch | recompile limit hit without / with "
           "| graph breaks without / with | layers with out_grad_norm |")

@@ -63,7 +63,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -766,8 +766,12 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
     parser.add_argument("--quick", action="store_true", help="one seed per family and kind, two healthy recipes")
     parser.add_argument("--json", help="also write every outcome to this JSON file")
     parser.add_argument("--family", action="append", help="only these families")
+    parser.add_argument("--flush-every", type=int,
+                        help="every run at this flush_every (default: each run's own, 10 or 25; GradMonitor's is 50)")
     args = parser.parse_args(argv)
     runs = quick(families=args.family) if args.quick else corpus(families=args.family)
+    if args.flush_every:
+        runs = [replace(run, flush_every=args.flush_every) for run in runs]
     start = time.perf_counter()
     outcomes = []
     for i, run in enumerate(runs):

@@ -27,6 +27,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.harness import gradwatch_logger_at  # noqa: E402
 from gradwatch import GradMonitor  # noqa: E402
 from gradwatch.demo import build_model  # noqa: E402
 
@@ -368,11 +369,11 @@ def scenarios() -> list[Scenario]:
     ]  # fmt: skip
 
 
-def run(scenario: Scenario, seed: int = 0) -> Outcome:
+def run(scenario: Scenario, seed: int = 0, flush_every: int = FLUSH_EVERY) -> Outcome:
     torch.manual_seed(seed)
     model, opt, loss_at = scenario.build()
     outcome = Outcome(scenario.name, scenario.expected)
-    monitor = GradMonitor(model, flush_every=FLUSH_EVERY, optimizer=opt)
+    monitor = GradMonitor(model, flush_every=flush_every, optimizer=opt)
     returned_at: dict[int, int] = {}  # id(alert) -> step of the flush that returned it
 
     def note(alerts, step):
@@ -404,16 +405,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="also write the outcomes to this JSON file")
     parser.add_argument("--only", help="run the scenarios whose name contains this text")
+    parser.add_argument("--flush-every", type=int, default=FLUSH_EVERY,
+                        help=f"the monitors' flush_every (default {FLUSH_EVERY}; GradMonitor's own default is 50)")
     args = parser.parse_args()
-    logging.getLogger("gradwatch").setLevel(logging.CRITICAL)
+    with gradwatch_logger_at(logging.CRITICAL):  # the alerts are scored here, not printed
+        outcomes = _run_all(args.only, args.flush_every)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([o.__dict__ for o in outcomes], f, indent=2)
+
+
+def _run_all(only: str | None, flush_every: int) -> list[Outcome]:
+    """Run and print every scenario (``only``: those whose name contains it), then the summary."""
     outcomes = []
-    print(f"# gradwatch detection benchmark  torch {torch.__version__}, defaults, flush_every={FLUSH_EVERY}\n")
+    print(f"# gradwatch detection benchmark  torch {torch.__version__}, defaults, flush_every={flush_every}\n")
     print(f"{'scenario':38s} {'expected':13s} {'detected':9s} {'layer named':16s} {'latency':>8s}  alerts")
     for scenario in scenarios():
-        if args.only and args.only not in scenario.name:
+        if only and only not in scenario.name:
             continue
         try:
-            outcome = run(scenario)
+            outcome = run(scenario, flush_every=flush_every)
         except ImportError as exc:
             print(f"{scenario.name:38s} skipped ({exc})")
             continue
@@ -432,11 +443,9 @@ def main() -> None:
     alarms = [len(o.alerts) for o in healthy]
     print(f"\nrecall {recall:.0%} ({sum(o.detected for o in faults)}/{len(faults)}), right layer named "
           f"{named:.0%}, median latency {statistics.median(latencies) if latencies else math.nan:g} steps "
-          f"(flush_every={FLUSH_EVERY}), false alarms per healthy run {sum(alarms) / max(len(alarms), 1):.2f} "
+          f"(flush_every={flush_every}), false alarms per healthy run {sum(alarms) / max(len(alarms), 1):.2f} "
           f"({sum(alarms)} in {len(healthy)} runs)")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([o.__dict__ for o in outcomes], f, indent=2)
+    return outcomes
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python benchmarks/flush_cost.py                    # MLP 8x512 (9 layers), deep MLP 64 blocks (129 layers)
     python benchmarks/flush_cost.py --windows 10 --json out.json
+    python benchmarks/flush_cost.py --workloads cnn,transformer
 
 A flush runs on the training thread at every ``flush_every``-th ``step()``: it reads the window
 (one device-to-host copy, the decode), runs the health checks, and writes TensorBoard's scalars
@@ -49,6 +50,13 @@ def _timed(owner, attr: str, label: str, into: dict[str, list[float]]) -> None:
     setattr(owner, attr, wrapper)
 
 
+#: Small batches: the flush's host work does not depend on the batch, only on layers and steps.
+WORKLOADS = {
+    "mlp": lambda: W.mlp(batch=32), "deep": lambda: W.deep_mlp(64, batch=32), "cnn": lambda: W.resnet(batch=4),
+    "transformer": lambda: W.transformer(batch=2),
+}
+
+
 def measure(workload, windows: int, flush_every: int = 50, device: torch.device = torch.device("cpu")) -> dict:
     """Median milliseconds of a flush's parts, of the flush step's ``step()``, and of an unsampled
     step's ``step()``, over ``windows`` windows after the first."""
@@ -89,10 +97,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--windows", type=int, default=8, help="windows timed after the first (default 8)")
     parser.add_argument("--json", help="also write the figures to this JSON file")
+    parser.add_argument("--workloads", default="mlp,deep",
+                        help=f"comma-separated, of {', '.join(WORKLOADS)} (default mlp,deep)")
     args = parser.parse_args()
     report = {}
     with gradwatch_logger_at(logging.ERROR):
-        for workload in (W.mlp(batch=32), W.deep_mlp(64, batch=32)):  # the flush does not depend on the batch
+        for workload in (WORKLOADS[name]() for name in args.workloads.split(",")):
             figures = report[workload.name] = measure(workload, args.windows)
             print(f"\n# {workload.name}: {figures['layers']} layers, flush_every=50, median ms")
             for label, ms in figures["ms"].items():

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import contenders as C  # noqa: E402
 from benchmarks import workloads as W  # noqa: E402
 from benchmarks.harness import (  # noqa: E402
+    gradwatch_logger_at,
     figure_table,
     format_table,
     host_syncs_between_flushes,
@@ -165,6 +166,11 @@ def depth_section(rounds: int, warmup: int, device: torch.device, depths: tuple[
 
 
 def main() -> None:
+    with gradwatch_logger_at(logging.ERROR):  # random-label tasks are not the point here
+        _main()
+
+
+def _main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer rounds (smoke test)")
     parser.add_argument("--rounds", type=int, default=None,
@@ -183,7 +189,6 @@ def main() -> None:
         sections.discard("real")
     if args.skip_scaling:
         sections -= {"depth", "flush"}
-    logging.getLogger("gradwatch").setLevel(logging.ERROR)  # random-label tasks are not the point here
     rounds = args.rounds or (20 if args.quick else 100)
     warmup = 3 if args.quick else 10
     device = torch.device("cpu")

@@ -29,6 +29,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.harness import gradwatch_logger_at  # noqa: E402
+
 from gradwatch import GradMonitor  # noqa: E402
 from gradwatch.demo import build_model  # noqa: E402
 
@@ -73,12 +75,16 @@ class Run:
 
 
 def main() -> None:
+    with gradwatch_logger_at(logging.ERROR):  # the vanishing run alerts, as it should
+        _main()
+
+
+def _main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "subnormal_results.json"))
     args = parser.parse_args()
-    logging.getLogger("gradwatch").setLevel(logging.ERROR)  # the vanishing run alerts, as it should
     torch.set_num_threads(1)
     runs = [Run("vanishing", build_model("vanishing"), False), Run("vanishing", build_model("vanishing"), True),
             Run("twin", twin(), False), Run("twin", twin(), True),
