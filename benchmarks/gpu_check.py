@@ -11,6 +11,8 @@
 2. Device ops: aten ops per step of the default against an unmonitored step (the MLP and the
    Transformer; #30 asks +5%), and a launch-bound step (MLP 8x64, batch 8): gradwatch's ratio
    beside the default's read floor, and the host time of ``monitor.step()`` on unsampled steps.
+   The flush's host time by part (``flush_cost.py``; on a device the flush step also waits for
+   the queued steps to finish, the one sync of a window).
 3. Overhead: the interleaved ratio (and paired per-round ratio) to an unmonitored copy, steps
    timed with synchronize: the standard workloads eager, and compiled (gradwatch compiled into
    the model against the same model compiled without it, the read floor beside it). Without
@@ -39,6 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import contenders as C  # noqa: E402
+from benchmarks import flush_cost  # noqa: E402
 from benchmarks import workloads as W  # noqa: E402
 from benchmarks.harness import (  # noqa: E402
     figure_table,
@@ -157,6 +160,7 @@ def quick_parts(device: torch.device, workloads: dict[str, list], rounds: int) -
         ("no_sync", no_sync),
         ("aten_ops_per_step", ops),
         ("launch_bound", lambda: launch_bound(device, rounds=4 * rounds, workload=workloads["launch_bound"])),
+        ("flush", lambda: flush_cost.measure(workloads["flush"], windows=3, device=device)),
         ("eager", lambda: overhead_tables(workloads["eager"], QUICK_CONTENDERS, rounds, 10, device)),
         ("compiled", lambda: overhead_tables(workloads["compiled"], QUICK_COMPILED, rounds // 2, 10, device)),
     ]
@@ -182,11 +186,12 @@ def standard_workloads(tiny: bool, quick: bool = True) -> dict[str, Any]:
     if tiny:
         mlp = W.mlp(depth=2, width=16, batch=8)
         # no compiled table: one compile of each contender would take most of the smoke test's time
-        return {"eager": [mlp], "compiled_no_sync": [], "ops": [mlp], "launch_bound": mlp,
+        return {"eager": [mlp], "compiled_no_sync": [], "ops": [mlp], "launch_bound": mlp, "flush": mlp,
                 "compiled": []}  # fmt: skip
     compiled_no_sync = [W.mlp()] if quick else [W.mlp(), W.transformer()]
     return {"eager": W.standard(), "compiled_no_sync": compiled_no_sync, "ops": [W.mlp(batch=64), W.transformer()],
-            "launch_bound": W.mlp(depth=8, width=64, batch=8), "compiled": [W.mlp(), W.transformer()]}  # fmt: skip
+            "launch_bound": W.mlp(depth=8, width=64, batch=8), "flush": W.mlp(batch=32),
+            "compiled": [W.mlp(), W.transformer()]}  # fmt: skip
 
 
 def run_parts(parts: list[tuple[str, Callable[[], Any]]], report: dict[str, Any], json_path: str | None) -> None:

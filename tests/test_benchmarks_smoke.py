@@ -148,7 +148,7 @@ def test_gpu_check_quick_runs_every_part_on_the_cpu_and_keeps_the_figures(tmp_pa
     path = tmp_path / "gpu_check.json"
     report = G.main(["--quick", "--device", "cpu", "--tiny", "--rounds", "4", "--json", str(path)])
     written = json.loads(path.read_text())
-    assert set(written["seconds"]) == {"no_sync", "aten_ops_per_step", "launch_bound", "eager", "compiled"}
+    assert set(written["seconds"]) == {"no_sync", "aten_ops_per_step", "launch_bound", "flush", "eager", "compiled"}
     assert not [name for name, part in written.items() if isinstance(part, dict) and "error" in part]
     assert all(result.startswith("ok") for result in written["no_sync"].values()) and written["no_sync"]
     ops = written["aten_ops_per_step"]["mlp2x16"]
@@ -156,6 +156,7 @@ def test_gpu_check_quick_runs_every_part_on_the_cpu_and_keeps_the_figures(tmp_pa
     assert written["launch_bound"]["layers"] == 3 and written["launch_bound"]["step_host_us"] > 0
     assert set(written["eager"]["mlp2x16"]) == {k.name for k in G.QUICK_CONTENDERS}
     assert report["launch_bound"]["layers"] == 3
+    assert written["flush"]["layers"] == 3 and written["flush"]["ms"]["whole flush"] > 0
 
 
 def test_gpu_check_keeps_the_figures_of_the_parts_before_one_that_fails(tmp_path):
