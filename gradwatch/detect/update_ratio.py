@@ -50,7 +50,12 @@ class UpdateRatioRule:
             calm &= step_calm.all(axis=0)
             measured_any |= measured.any(axis=0)
             reached = streaks >= self.config.update_ratio_steps
-            onset = np.where(reached.any(axis=0) & ~flagged, reached.argmax(axis=0), -1)  # each layer's first
+            # Each layer's first step at the limit that measured it. A streak carried over from the last
+            # window is not reported at a step that did not measure the layer (its ratio there is NaN);
+            # a window that never measures it reports nothing, and the tracker keeps the condition
+            # (neither present nor clear) until a measured step ends it or finds it again.
+            seen = reached & measured
+            onset = np.where(seen.any(axis=0) & ~flagged, seen.argmax(axis=0), -1)
             for t, i in sorted((int(t), int(i)) for i, t in enumerate(onset) if t >= 0):
                 findings.append(self._finding(i, int(steps[t]), float(ratio[t, i]), int(streaks[t, i]), what))
             flagged |= onset >= 0

@@ -557,7 +557,8 @@ def test_the_update_ratio_streaks_of_a_window_at_once_are_those_of_its_steps_one
     # UpdateRatioRule.judge counts each layer's streak over a window's measured steps with array
     # operations (the flush's cost). Reference: the rule's definition, step by step (a step above the
     # limit adds one, a measured step below it ends the streak, an unmeasured one keeps it; the
-    # first step at which a layer's streak reaches update_ratio_steps is its finding, once per window).
+    # first measured step at which a layer's streak stands at update_ratio_steps is its finding,
+    # once per window).
     import numpy as np
 
     from gradwatch.detect.update_ratio import UpdateRatioRule
@@ -596,7 +597,7 @@ def test_the_update_ratio_streaks_of_a_window_at_once_are_those_of_its_steps_one
                         measured = np.isfinite(ratio[t, i]) and rms[t, i] >= config.update_ratio_min_weight_rms
                         if measured:
                             streaks[key][i] = streaks[key][i] + 1 if ratio[t, i] > config.update_ratio_max else 0
-                        if streaks[key][i] >= config.update_ratio_steps and i not in flagged:
+                        if measured and streaks[key][i] >= config.update_ratio_steps and i not in flagged:
                             flagged.add(i)
                             expected.append((f"l{i}", step, repr(float(ratio[t, i])), int(streaks[key][i])))
                 np.testing.assert_array_equal(rule.streaks[key], streaks[key])
@@ -604,3 +605,40 @@ def test_the_update_ratio_streaks_of_a_window_at_once_are_those_of_its_steps_one
                 == expected, (trial, window)  # fmt: skip
             onsets += len(expected)
     assert onsets > 50
+
+
+def test_an_update_ratio_streak_carried_into_a_window_is_reported_where_it_is_measured():
+    # A streak at the limit carries across windows; the next window's first exact row may not
+    # measure the layer (NaN there). The finding is the first step that measured it, with its own
+    # ratio (it used to be that first row, value NaN, "changed by nan of their norm"); a window that
+    # never measures it reports nothing and the condition stays active (neither present nor clear).
+    import numpy as np
+
+    from gradwatch.detect.tracker import AlertTracker
+    from gradwatch.detect.update_ratio import UpdateRatioRule
+    from gradwatch.flush.window import Window
+
+    config = HealthConfig(update_ratio_steps=2)
+    rule, tracker = UpdateRatioRule(config, ["a", "b"]), AlertTracker(remind_every=10, log_alerts=False)
+
+    def window(update_steps, ratios):
+        w = Window.__new__(Window)
+        w.steps, w.update_steps = [], update_steps
+        w.judged_update_ratio = np.array(ratios, dtype=float)
+        w.judged_weight_rms = np.ones_like(w.judged_update_ratio)
+        w.estimated_update_ratio = None
+        return w
+
+    def judge(w):
+        findings, clear = [], set()
+        rule.judge(w, findings, clear)
+        tracker.update(type("A", (), {"findings": findings, "clear": clear})(), w.update_steps[-1])
+        return findings
+
+    first = judge(window([10, 20], [[0.9, 0.01], [0.8, 0.01]]))
+    assert [(f.layer, f.step, f.value) for f in first] == [("a", 20, 0.8)]
+    carried = judge(window([60, 70], [[np.nan, 0.01], [0.7, 0.01]]))
+    assert [(f.layer, f.step, f.value) for f in carried] == [("a", 70, 0.7)]
+    assert judge(window([110, 120], [[np.nan, 0.01], [np.nan, 0.01]])) == []
+    assert ("update_ratio", "a") in tracker.active  # not recovered: no step said anything
+    assert [a.value for a in tracker.alerts] == [0.8]  # one onset, with a real ratio
