@@ -45,6 +45,7 @@ def measure(workload, contender_types, rounds: int, warmup: int, device: torch.d
     for c in contenders:
         for _ in range(warmup):
             c.step()
+        c.prime()
     gc.collect()
     gc.disable()  # a collection landing in one contender's step is noise, not cost
     try:
