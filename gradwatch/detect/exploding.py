@@ -278,7 +278,8 @@ class ExplodingRule:
         m = n if sure.all() else int(np.argmin(sure.all(axis=1)))
         if m == 0:
             return start
-        for ring, slots, size in ((self.recent, self.recent_slot, RECENT_STEPS), (self.level, self.level_slot, LEVEL_STEPS)):
+        rings = ((self.recent, self.recent_slot, RECENT_STEPS), (self.level, self.level_slot, LEVEL_STEPS))
+        for ring, slots, size in rings:
             kept = np.arange(max(m - size, 0), m)  # the writes that the later ones of the stretch do not overwrite
             ring[(slots[c][None, :] + kept[:, None]) % size, c[None, :]] = block[kept]
             slots[c] = (slots[c] + m) % size

@@ -73,7 +73,8 @@ class UpdateRatioRule:
             calm = ~measured | (ratio <= CLEAR * cfg.update_ratio_max)
         counted = np.cumsum(above, axis=0)  # steps above the limit so far
         rows = np.arange(len(ratio))[:, None]
-        last_end = np.maximum.accumulate(np.where(measured & ~above, rows, -1), axis=0)  # the latest calm step
+        # each step's latest measured step below the limit (-1: none in this window), which ended the streak
+        last_end = np.maximum.accumulate(np.where(measured & ~above, rows, -1), axis=0)
         at_end = np.take_along_axis(counted, np.maximum(last_end, 0), axis=0)
         streaks = np.where(last_end >= 0, counted - at_end, start[None, :] + counted)
         return streaks, measured, calm
