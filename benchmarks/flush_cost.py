@@ -33,6 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import workloads as W  # noqa: E402
 from benchmarks.harness import gradwatch_logger_at  # noqa: E402
 from gradwatch import GradMonitor  # noqa: E402
+from gradwatch.capture.layout import planned_slots  # noqa: E402
+from gradwatch.settings import DETAILS  # noqa: E402
 
 
 def _timed(owner, attr: str, label: str, into: dict[str, list[float]]) -> None:
@@ -88,8 +90,10 @@ def measure(workload, windows: int, flush_every: int = 50, device: torch.device 
         result = {label: statistics.median(values[1:]) for label, values in parts.items() if len(values) > 1}
         monitor.close()  # its last flush is not timed
     warm = steps[flush_every:]
+    sampled = planned_slots(flush_every, DETAILS["standard"])  # the default's plan, not a copy of it
     result["flush step()"] = statistics.median(t for slot, t in warm if slot == flush_every - 1)
-    result["unsampled step()"] = statistics.median(t for slot, t in warm if slot not in (0, 1, 25, flush_every - 1))
+    result["unsampled step()"] = statistics.median(t for slot, t in warm
+                                                   if not sampled[slot] and slot != flush_every - 1)  # fmt: skip
     return {"layers": layers, "ms": result}
 
 
