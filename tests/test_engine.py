@@ -181,11 +181,11 @@ def test_an_exception_inside_step_keeps_the_window_aligned(monkeypatch, caplog):
     monitor = GradMonitor(model, flush_every=3)
     record, calls = monitor._recorder.param_stats.record, [0]
 
-    def sometimes(rows, present):
+    def sometimes(rows, present, *riders):
         calls[0] += 1
         if calls[0] == 2:
             raise RuntimeError("forced failure in step")
-        return record(rows, present)
+        return record(rows, present, *riders)
 
     monkeypatch.setattr(monitor._recorder.param_stats, "record", sometimes)
     with caplog.at_level(logging.WARNING, logger="gradwatch"):

@@ -27,6 +27,7 @@ from ..registry.states import (
 )  # fmt: skip
 from .layout import Layout
 from .param_stats import ParamStats, StepRows
+from .per_step_rows import PerStepRows
 from ..failures import raise_if_strict
 from ..flush.window import Window
 
@@ -72,16 +73,23 @@ class Recorder:
         self._failures: set[str] = set()
         # Views made once: indexing and slicing are an op each per call.
         self._units_window = buffer[UNIT_ACC]
-        self._moves = [_CellMoves(cells, self.layout, self.param_stats.cpu_fast) for cells in self.cells.devices]
+        #: the accelerators' path: each step's gradient sums of squares and forward sums in one device
+        #: row (``per_step_rows.py``), which the read-back copies whole; None elsewhere
+        self.per_step_rows = _per_step_rows(self.layout, self.param_stats, self.cells)
+        self._moves = [_CellMoves(cells, self.layout, self.param_stats.cpu_fast, self.per_step_rows)
+                       for cells in self.cells.devices]  # fmt: skip
         self._host_moves = HostCellMoves(self.layout, self.cells.host, numpy_rows=self.param_stats.counts_every_step)
         # Unsampled steps leave max |g| (and, on accelerators, the non-finite count) out.
-        sq_host = buffer.host_view(PARAM_SQ)  # CPU buffers: numpy views made once
+        staged = self.per_step_rows
+        sq_rows = staged.sq_rows if staged is not None else [buffer.row(PARAM_SQ, t) for t in range(flush_every)]
+        sq_host = None if staged is not None else buffer.host_view(PARAM_SQ)  # CPU buffers: numpy views made once
 
         def rows(sampled: np.ndarray) -> list[StepRows]:
             return [
-                StepRows(buffer.row(PARAM_SQ, t), buffer.row(PARAM_MAX, t) if sampled[t] else None,
+                StepRows(sq_rows[t], buffer.row(PARAM_MAX, t) if sampled[t] else None,
                          buffer.row(PARAM_NONFINITE, t), count=bool(sampled[t]),
-                         sq_host=None if sq_host is None else sq_host[t])
+                         sq_host=None if sq_host is None else sq_host[t],
+                         row=None if staged is None else staged.rows[t])
                 for t in range(flush_every)
             ]  # fmt: skip
 
@@ -90,8 +98,10 @@ class Recorder:
 
     @property
     def nbytes(self) -> int:
-        """Bytes gradwatch holds on the devices: the declared buffer, the cells, the projection weights."""
-        return self.buffer.nbytes + self.cells.nbytes
+        """Bytes gradwatch holds on the devices: the declared buffer, the per-step rows, the cells, the
+        projection weights."""
+        staged = self.per_step_rows
+        return self.buffer.nbytes + self.cells.nbytes + (staged.nbytes if staged is not None else 0)
 
     # ------------------------------------------------------------- controls
     @property
@@ -142,9 +152,9 @@ class Recorder:
             if sampled:
                 self._host_moves.into_row(slot)
             rows = (self._full_rows if full else self._param_rows)[slot]
-            self.param_stats.record(rows, self._host[PARAM_PRESENT][slot])
+            self._record_params(slot, rows)
             if params_scaled and scale is not None:
-                rows.sq.div_(scale.square())
+                rows.sq.div_(scale if self.per_step_rows is not None else scale.square())  # norms there
                 if rows.max is not None:
                     rows.max.div_(scale)
         except Exception:
@@ -159,6 +169,18 @@ class Recorder:
             plan.step += 1
             plan.sampling = self.layout.is_sampled(self.slot)
             plan.follow_cache_config()
+
+    def _record_params(self, slot: int, rows: StepRows) -> None:
+        """The parameter-gradient statistics into ``rows``; with per-step rows, the forward sums
+        into the step's row too: stacked with the gradient norms where the common case allows it
+        (one op for both; the row then holds norms), else copied, and zeroed for the next step
+        either way. The row holds norms at every step (``per_step_rows.py``): where the general
+        path wrote sums of squares, their roots (a step with max |g|, a gradient missing)."""
+        present = self._host[PARAM_PRESENT][slot]
+        if self.per_step_rows is None:
+            self.param_stats.record(rows, present)
+        else:
+            self.per_step_rows.record(self.param_stats, slot, rows, present, self._moves[0])
 
     def _report_tap_failure(self) -> None:
         if not self.plan.failed:
@@ -215,6 +237,8 @@ class Recorder:
     def prepare_flush(self) -> None:
         """Copy the host counts into the buffer, ready for the collective."""
         self._report_tap_failure()
+        if self.per_step_rows is not None:
+            self.per_step_rows.into_buffer(self.buffer, min(self.slot, self.flush_every))
         self.buffer.load_host_states()
 
     def snapshot(self, steps: list[int], dead_eps: float, scaler_in_use: bool, layout: Layout | None = None) -> Window:
@@ -229,6 +253,8 @@ class Recorder:
     def reset_window(self) -> None:
         """Start an empty window (after a flush)."""
         self.buffer.zero_()
+        if self.per_step_rows is not None:
+            self.per_step_rows.zero_()
         self.discard_pending()
         self.update_steps = []
         self.slot = 0
@@ -283,6 +309,19 @@ class Recorder:
         self.param_stats.drop_references()
 
 
+def _per_step_rows(layout: Layout, param_stats: ParamStats, cells: Cells) -> PerStepRows | None:
+    """The per-step rows where they apply (``per_step_rows.py``): not where the per-step values are
+    read from host memory (the CPU's own path), nor for the weighted columns of sharded tensors,
+    nor for layers on several devices (their forward sums are gathered by index)."""
+    buffer = layout.buffer
+    host_path = param_stats.counts_every_step and buffer.device.type == "cpu"
+    whole = len(cells.devices) == 1 and cells.devices[0].n == len(layout.names) and \
+        cells.devices[0].sums.device == buffer.device
+    if host_path or param_stats.sharded or not whole:
+        return None
+    return PerStepRows(buffer, layout.flush_every, param_stats.n_params, len(layout.names))
+
+
 class _CellMoves:
     """Moves one device's cells into a step's row: a few copies whatever the number of layers.
 
@@ -290,7 +329,8 @@ class _CellMoves:
     copied into the row, then zeroed, one op each per device whatever the number of layers.
     """
 
-    def __init__(self, cells: DeviceCells, layout: Layout, cpu_fast: bool = True) -> None:
+    def __init__(self, cells: DeviceCells, layout: Layout, cpu_fast: bool = True,
+                 per_step_rows: PerStepRows | None = None) -> None:  # fmt: skip
         buffer, flush_every = layout.buffer, layout.flush_every
         k = cells.n
         self.whole = k == len(layout.names)  # the usual case: every layer on the buffer's device
@@ -306,7 +346,11 @@ class _CellMoves:
         on_host = cpu_fast and self.whole and buffer.device.type == "cpu" and cells.sums.device.type == "cpu"
         self.fwd_host = buffer.host_view(FWD_SUM) if on_host else None
         self.sums_host = cells.sums.numpy() if on_host else None
-        self.fwd_rows = [] if on_host else [buffer.row(FWD_SUM, t) for t in range(flush_every)]
+        self.fwd_rows = [] if on_host else per_step_rows.forward_rows if per_step_rows is not None else \
+            [buffer.row(FWD_SUM, t) for t in range(flush_every)]
+        #: with per-step rows, the forward sums move at ``forward_into_row`` (after the parameter
+        #: statistics, which may stack these 0-d views of them into the row: ``Recorder._record_params``)
+        self.riders = list(cells.sums.unbind()) if per_step_rows is not None else None
         self.order_rows = [buffer.row(FWD_ORDER, t) for t in range(flush_every)]
         stats = accumulator_count()
         self.stats = cells.outputs if stats else None
@@ -328,7 +372,7 @@ class _CellMoves:
             if self.sums_host is not None:
                 self.fwd_host[slot] = self.sums_host
                 self.sums_host.fill(0.0)
-            else:
+            elif self.riders is None:
                 self.fwd_rows[slot].copy_(self.sums)
                 self.sums.zero_()
             if sampled:
@@ -351,6 +395,14 @@ class _CellMoves:
             units_window.index_add_(0, self.unit_index, units.to(to, non_blocking=True))
             if self.stats is not None:
                 self.stats_rows[slot].index_copy_(0, self.layer_index, self.stats.to(to, non_blocking=True))
+
+
+    def forward_into_row(self, slot: int, copy: bool) -> None:
+        """With per-step rows: the forward sums into row ``slot`` (``copy``: unless they were stacked
+        there already), then zeroed for the next step."""
+        if copy:
+            self.fwd_rows[slot].copy_(self.sums)
+        self.sums.zero_()
 
 
 def _unscale(counts: torch.Tensor, units: torch.Tensor, scale: torch.Tensor | None, scale_units: bool) -> None:

@@ -7,10 +7,13 @@ on sampled steps, the forward order) are
 
 - on the CPU path: read through numpy views of the buffer, which is host memory: the step is
   judged at its own ``step()``;
-- elsewhere (accelerators, and the device-agnostic path on CPU tensors): gathered with one
-  ``cat`` and copied with ``non_blocking=True`` into pinned host memory, with a CUDA event
-  recorded after the copy; a later ``step()`` reads the copy once ``event.query()`` says it has
-  landed (the next one, almost always), so nothing waits for the device.
+- elsewhere (accelerators, and the device-agnostic path on CPU tensors): copied with
+  ``non_blocking=True`` into pinned host memory, with a CUDA event recorded after the copy; a
+  later ``step()`` reads the copy once ``event.query()`` says it has landed (the next one, almost
+  always), so nothing waits for the device. The sums of squares and forward sums are one op: the
+  recorder's per-step row (``capture/per_step_rows.py``; else a ``cat`` of the buffer's two rows).
+  The non-finite counts and output-gradient sums of squares, recorded on sampled steps only there,
+  are one ``cat`` and copy more on those steps; the host reads zeros for them on the others.
 
 Nothing here is traced: it runs in ``step()``.
 """
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 
 from ..capture.layout import Layout
+from ..capture.per_step_rows import PerStepRows
 from ..registry.statistics import layer_ran
 from ..registry.states import FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, STEP_FAILED
 
@@ -52,17 +56,20 @@ class StepValues:
 class StepReadback:
     """Per-step values of one window, handed over when they are on the host."""
 
-    def __init__(self, layout: Layout, host_path: bool) -> None:
+    def __init__(self, layout: Layout, host_path: bool, per_step_rows: PerStepRows | None = None) -> None:
         self.layout = layout
         buffer = layout.buffer
         self.host_path = host_path and buffer.device.type == "cpu"
         self.cuda = buffer.device.type == "cuda"
         p, n = len(layout.param_layer), len(layout.names)
-        self._sizes = (p, p, n, n)
+        self._sizes = (p, n, p, n)  # a staged row: [sums of squares | forward sums | non-finite counts | out_sq]
         self._rows = [
-            (buffer.row(PARAM_SQ, t), buffer.row(PARAM_NONFINITE, t), buffer.row(FWD_SUM, t), buffer.row(OUT_GRAD, t)[0])
+            (buffer.row(PARAM_SQ, t), buffer.row(FWD_SUM, t), buffer.row(PARAM_NONFINITE, t), buffer.row(OUT_GRAD, t)[0])
             for t in range(layout.flush_every)
         ]  # fmt: skip
+        #: what every step copies: the recorder's per-step rows, where it keeps them
+        self._every_step = per_step_rows.rows if per_step_rows is not None else None  # norms, squared when read
+        self._zeros = (np.zeros(p), np.zeros(n))  # what unsampled steps record of the sampled part
         self._order_rows = [buffer.row(FWD_ORDER, t) for t in range(layout.flush_every)]
         present = buffer.host[PARAM_PRESENT]
         self._present = [present[t] for t in range(layout.flush_every)]
@@ -88,7 +95,8 @@ class StepReadback:
         buffer = self.layout.buffer
         row = torch.empty(sum(self._sizes), dtype=buffer.dtype, pin_memory=self.cuda)
         order = torch.empty(len(self.layout.names), dtype=buffer.dtype, pin_memory=self.cuda)
-        self._ring.append((row, order))
+        p, n = self._sizes[:2]
+        self._ring.append((row[: p + n], row[p + n :], order))  # views made once: slicing is an op per call
         self._ring_host.append((row.numpy(), order.numpy()))
         self._free.append(len(self._ring) - 1)
 
@@ -110,10 +118,13 @@ class StepReadback:
         if not self._free:
             self._add_slot()  # every slot still in flight: grow rather than wait or lose the step
         k = self._free.pop()
-        staged, order = self._ring[k]
-        staged.copy_(torch.cat(self._rows[slot]), non_blocking=self.cuda)
+        every_step, sampled_part, order = self._ring[k]
+        rows = self._rows[slot]
+        every_step.copy_(self._every_step[slot] if self._every_step is not None else torch.cat(rows[:2]),
+                         non_blocking=self.cuda)  # fmt: skip
         sampled = self.layout.is_sampled(slot)
         if sampled:
+            sampled_part.copy_(torch.cat(rows[2:]), non_blocking=self.cuda)
             order.copy_(self._order_rows[slot], non_blocking=self.cuda)
         event = None
         if self.cuda:
@@ -130,7 +141,7 @@ class StepReadback:
             item = self._in_flight[0]
             slot = item[0]
             if self.host_path:
-                sq, nonfinite, forward, out_sq, order = self._host_rows[slot]
+                sq, forward, nonfinite, out_sq, order = self._host_rows[slot]
                 if not self.layout.is_sampled(slot):  # the sampling plan can change per window (full_window)
                     order = None
             else:
@@ -140,10 +151,12 @@ class StepReadback:
                 if event is not None and wait:
                     event.synchronize()
                 staged, order_host = self._ring_host[k]
-                values = staged.astype(np.float64)  # a copy: the slot is reused
-                p, _, n, _ = self._sizes
-                sq, nonfinite = values[:p], values[p : 2 * p]
-                forward, out_sq = values[2 * p : 2 * p + n], values[2 * p + n :]
+                p, n = self._sizes[:2]
+                values = staged[: 2 * (p + n) if sampled else p + n].astype(np.float64)  # a copy: the slot is reused
+                sq, forward = values[:p], values[p : p + n]
+                if self._every_step is not None:
+                    np.square(sq, out=sq)  # the per-step row holds norms
+                nonfinite, out_sq = (values[p + n : 2 * p + n], values[2 * p + n :]) if sampled else self._zeros
                 order = order_host.astype(np.float64) if sampled else None
                 self._free.append(k)
             self._in_flight.pop(0)

@@ -258,7 +258,7 @@ def test_include_exclude_select_layers():
     assert GradMonitor(model, exclude=["1.1"]).layers == ["0", "1.0"]
 
 
-def test_buffer_memory_does_not_grow():
+def test_buffer_memory_does_not_grow(param_path):
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     monitor = GradMonitor(model, flush_every=3)
     sizes = []
@@ -275,9 +275,11 @@ def test_buffer_memory_does_not_grow():
     # layer, the units, the clock, 3 accumulators per layer, the sampled-step flag as a number; in
     # float32 the forward check's sum per layer and the projection weights (16384); the
     # sampled-step flag as a bool (1 byte); in int64 where the backward values (3 per layer) and
-    # the units (9) are in the layers' backward rows.
+    # the units (9) are in the layers' backward rows. The accelerators' path keeps each step's sums
+    # of squares and forward sums in a float64 row of its own too (capture/per_step_rows.py).
+    per_step_rows = 8 * 3 * (4 + 2) if param_path == "device-agnostic" else 0
     assert sizes[0] == (8 * (3 * (4 * 4 + 5 * 2 + 2 + 3 * 2) + 9 + 2) + 8 * (4 * 2 + 9 + 1 + 3 * 2 + 1)
-                        + 4 * (2 + 16384) + 1 + 8 * (3 * 2 + 9))  # fmt: skip
+                        + 4 * (2 + 16384) + 1 + 8 * (3 * 2 + 9) + per_step_rows)  # fmt: skip
     monitor.close()
 
 
@@ -791,8 +793,9 @@ def test_unsampled_steps_take_the_direct_reduction_and_fall_back_exactly(tmp_pat
     current = [0]
 
     def spy(self, *args):
-        taken[current[0]] = direct(self, *args)
-        return taken[current[0]]
+        rode = direct(self, *args)  # None: declined (else whether the forward sums rode along)
+        taken[current[0]] = rode is not None
+        return rode
 
     monkeypatch.setattr(ParamStats, "_record_whole", spy)
     torch.manual_seed(0)
@@ -834,3 +837,38 @@ def test_unsampled_steps_take_the_direct_reduction_and_fall_back_exactly(tmp_pat
     assert taken[5] and taken[6]
     assert not any(taken.get(step, False) for step in range(16) if step not in with_extra)
     assert taken.get(13, False) == (param_path != "cpu-path")
+
+
+def test_gradients_still_scaled_at_step_are_recorded_unscaled(tmp_path, param_path):
+    # step() before scaler.unscale_(optimizer): the gradients carry the loss scale (2**12 here, then
+    # halved by a skipped step's update) and gradwatch divides by it without a sync; the accelerators'
+    # path does so on the gradient norms of its per-step rows (capture/per_step_rows.py), the CPU's
+    # on sums of squares. Against the norms of the unscaled gradients the test takes itself.
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1000)
+    monitor = GradMonitor(model, logdir=str(tmp_path), flush_every=6, scaler=scaler)
+    expected = {}
+    for step in range(6):
+        loss = model(torch.randn(8, 6)).pow(2).mean()
+        if step == 3:
+            loss = loss * float("inf")  # a skipped step: the scale is halved after it
+        scaler.scale(loss).backward()
+        scale = float(scaler.get_scale())
+        expected[step] = {name: float(torch.linalg.vector_norm(torch.cat([p.grad.double().reshape(-1) / scale
+                                                                          for p in m.parameters()])))
+                          for name, m in (("0", model[0]), ("2", model[2]))}  # fmt: skip
+        monitor.step()  # before unscale_: still scaled
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    monitor.close()
+    assert float(scaler.get_scale()) == 2.0**11  # the test means something: the scale changed
+    scalars = read_scalars(str(tmp_path))
+    for step, norms in expected.items():
+        if step == 3:
+            continue  # skipped by the scaler: reported as such, not as a statistic of the model
+        for name, norm in norms.items():
+            _check(scalars, f"gradwatch/grad_norm/{name}", step, norm, rel=1e-6)
+    if param_path == "device-agnostic":
+        assert monitor._recorder.per_step_rows is not None  # norms divided on the device's row

@@ -173,3 +173,78 @@ def test_a_layer_ran_by_the_decoders_rule_in_the_per_step_silence_check():
     ran = layer_ran(np.array([[0.0, 0.0, 2.0]] * 2), np.array([[0.0, 0.0, 0.0], [3.0, 0.0, 1.0]]))
     assert ran.tolist() == [[False, False, True], [True, False, True]]
     assert layer_ran(np.array([np.nan]), 0.0).tolist() == [True]  # a non-finite output is a call
+
+
+def test_per_step_rows_carry_each_step_s_own_sums_to_the_window_and_the_per_step_checks(monkeypatch):
+    # The accelerators' path keeps each step's gradient sums of squares and forward sums in one
+    # device row (capture/per_step_rows.py): the forward sums stacked with the gradient norms where
+    # every gradient is there, copied where one is missing, zeroed for the next step either way;
+    # the window's rows are copied into the buffer at the flush. A layer skipped at some steps (no
+    # gradient: the copy, as at sampled steps), a NaN batch at a step where it ran and at one where it did not, over two
+    # windows: the windows and the per-step checks must say what the test computes itself.
+    import torch
+    from torch import nn
+
+    import gradwatch.capture.param_stats as param_stats
+    from gradwatch import GradMonitor
+    from gradwatch.capture.recorder import _CellMoves
+
+    monkeypatch.setattr(param_stats, "CPU_FAST_PATH", False)  # the accelerators' path, on CPU tensors
+    copied = []
+    forward_into_row = _CellMoves.forward_into_row
+    monkeypatch.setattr(_CellMoves, "forward_into_row",
+                        lambda self, slot, copy: copied.append(copy) or forward_into_row(self, slot, copy))
+
+    class Skips(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.mid, self.head = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+            self.skip = False
+
+        def forward(self, x):
+            h = torch.relu(self.body(x))
+            return self.head(h if self.skip else torch.tanh(self.mid(h)))
+
+    torch.manual_seed(0)
+    model = Skips()
+    monitor = GradMonitor(model, flush_every=6)
+    assert monitor._recorder.per_step_rows is not None
+    windows, snapshot = [], monitor._recorder.snapshot
+    monitor._recorder.snapshot = lambda *a, **k: windows.append(snapshot(*a, **k)) or windows[-1]
+    judged = _record_judged(monitor)
+    skipped, nan_steps = {5, 8}, {4, 8}  # 5: skipped right after a NaN forward (its cell must not keep it)
+    norms, outputs = [], []
+    for step in range(12):
+        model.skip = step in skipped
+        x = torch.randn(5, 4)
+        if step in nan_steps:
+            x[0, 0] = float("nan")
+        kept = {}
+        hooks = [getattr(model, n).register_forward_hook(lambda m, a, o, n=n: kept.__setitem__(n, o.detach()))
+                 for n in ("body", "mid", "head")]  # fmt: skip
+        model(x).pow(2).mean().backward()
+        for h in hooks:
+            h.remove()
+        norms.append({n: float(torch.linalg.vector_norm(torch.cat([p.grad.double().reshape(-1) for p in
+                                                                   getattr(model, n).parameters()])))
+                      for n in ("body", "mid", "head") if getattr(model, n).weight.grad is not None})  # fmt: skip
+        outputs.append({n: bool(torch.isfinite(o).all()) for n, o in kept.items()})
+        monitor.step()
+        model.zero_grad(set_to_none=True)
+    monitor.close()
+    # copied at the sampled steps (0, 1 of each window: max |g| takes the general path) and where "mid"
+    # had no gradient; stacked with the norms at every other step
+    assert len(windows) == 2 and [s for s, c in enumerate(copied) if c] == [0, 1, 5, 6, 7, 8]
+    for w in windows:
+        for t, step in enumerate(w.steps):
+            for i, name in enumerate(w.layers):
+                ran = name in outputs[step]
+                assert w.has_grad[t, i] == (name in norms[step]), (step, name)
+                if name in norms[step]:
+                    expected = norms[step][name]
+                    got = w.grad_norm[t, i]
+                    assert (math.isnan(got) and math.isnan(expected)) or got == pytest.approx(expected, rel=1e-6)
+                assert w.fwd_nonfinite[t, i] == (ran and not outputs[step][name]), (step, name)
+    assert [s for s, _ in judged] == list(range(12))  # every step judged, each on its own values
+    for step, norm in judged:
+        assert math.isnan(norm) == (step in nan_steps), step
