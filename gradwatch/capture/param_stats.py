@@ -199,46 +199,36 @@ class ParamStats:
                 return self._tiny.name if large == TINY else self._blas.name if large else self._foreach.name
         raise IndexError(column)
 
-    def record(self, rows: StepRows, present: np.ndarray, riders: list[torch.Tensor] | None = None) -> bool:
-        """Write this step's per-tensor partials into ``rows``; set ``present`` to 1 where a gradient was.
-
-        Args:
-            rows: the step's rows (``rows.row``: the per-step row that ``rows.sq`` starts, if any).
-            present: the step's host row of gradients present.
-            riders: 0-d tensors to write after the sums of squares in ``rows.row`` in the same op
-                where the common case allows it (``ForeachStats.reduce``).
-
-        Returns:
-            whether ``riders`` were written (else the caller writes them).
-        """
+    def record(self, rows: StepRows, present: np.ndarray) -> bool:
+        """Write this step's per-tensor partials into ``rows``; set ``present`` to 1 where a gradient
+        was. Returns whether ``rows.sq`` holds norms rather than sums of squares (only where
+        ``rows.norms_allowed``, in the common case: ``ForeachStats.reduce``)."""
         grad_mode = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # gradients made with create_graph=True require grad themselves
         try:
-            return self._record(rows, present, riders)
+            return self._record(rows, present)
         finally:
             torch._C._set_grad_enabled(grad_mode)
 
-    def _record_whole(self, group: _Group, rows: StepRows, present: np.ndarray,
-                      riders: list[torch.Tensor] | None) -> bool | None:  # fmt: skip
+    def _record_whole(self, group: _Group, rows: StepRows, present: np.ndarray) -> bool | None:
         """``_record`` for the common case (``_plan``'s ``_whole_group``) on a step without max |g|:
-        the same reduction, called directly (with ``riders`` stacked after the norms where
-        ``rows.row`` takes them); returns whether the riders were written. None, having written
-        nothing it keeps, where the general path must decide (a gradient missing, a cast after
-        attaching, a reduction that raised)."""
+        the same reduction, called directly; returns whether it left norms (see ``record``). None,
+        having written nothing it keeps, where the general path must decide (a gradient missing, a
+        cast after attaching, a reduction that raised)."""
         params = group.params
         grads = [p.grad for p in params]
         if any(map(_is_none, grads)) or params[0].dtype != group.key[1]:
             return None
         try:
-            rode = self._foreach.reduce(grads, rows, self._slots if self._whole_slots else None, riders=riders)
+            norms = self._foreach.reduce(grads, rows, self._slots if self._whole_slots else None, keep_norms=True)
         except Exception:
             return None  # the general path reduces each tensor alone and names the one that fails
         present.fill(1)
         if self._whole_slots and self._slots.found_tiny:
             self._note_tiers(group.key, 0)
-        return rode
+        return norms
 
-    def _record(self, rows: StepRows, present: np.ndarray, riders: list[torch.Tensor] | None = None) -> bool:
+    def _record(self, rows: StepRows, present: np.ndarray) -> bool:
         # Every Python operation here runs right after backward has evicted the interpreter's
         # working set from the caches, at ~10x its usual price: the common case is kept short.
         weights: list[tuple[int, float]] = []
@@ -246,15 +236,15 @@ class ParamStats:
             self._apply_retier()
         whole = self._whole_group
         if whole is not None and rows.max is None:
-            rode = self._record_whole(whole, rows, present, riders)
-            if rode is not None:
-                return rode
+            norms = self._record_whole(whole, rows, present)
+            if norms is not None:
+                return norms
         private = self._world.reduced_partials()
         for group in self._groups if rows.max is not None else self._light_groups:
             key = group.key
             if key is not None and (group.params[0].dtype != key[1] or group.params[0].device != key[0]):
                 self._replan()  # cast after attaching: follow it (or, moved, say so)
-                return self._record(rows, present, riders)
+                return self._record(rows, present)
             grads = [p.grad for p in group.params] if group.key is not None or not self._readers else \
                 [self._grad(p) for p in group.params]
             if group.key is not None and not any(map(_is_none, grads)):

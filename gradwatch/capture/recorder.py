@@ -89,7 +89,7 @@ class Recorder:
                 StepRows(sq_rows[t], buffer.row(PARAM_MAX, t) if sampled[t] else None,
                          buffer.row(PARAM_NONFINITE, t), count=bool(sampled[t]),
                          sq_host=None if sq_host is None else sq_host[t],
-                         row=None if staged is None else staged.rows[t])
+                         norms_allowed=staged is not None)
                 for t in range(flush_every)
             ]  # fmt: skip
 
@@ -172,10 +172,7 @@ class Recorder:
 
     def _record_params(self, slot: int, rows: StepRows) -> None:
         """The parameter-gradient statistics into ``rows``; with per-step rows, the forward sums
-        into the step's row too: stacked with the gradient norms where the common case allows it
-        (one op for both; the row then holds norms), else copied, and zeroed for the next step
-        either way. The row holds norms at every step (``per_step_rows.py``): where the general
-        path wrote sums of squares, their roots (a step with max |g|, a gradient missing)."""
+        into the step's row too (``per_step_rows.py``: the row holds norms at every step)."""
         present = self._host[PARAM_PRESENT][slot]
         if self.per_step_rows is None:
             self.param_stats.record(rows, present)
@@ -348,9 +345,8 @@ class _CellMoves:
         self.sums_host = cells.sums.numpy() if on_host else None
         self.fwd_rows = [] if on_host else per_step_rows.forward_rows if per_step_rows is not None else \
             [buffer.row(FWD_SUM, t) for t in range(flush_every)]
-        #: with per-step rows, the forward sums move at ``forward_into_row`` (after the parameter
-        #: statistics, which may stack these 0-d views of them into the row: ``Recorder._record_params``)
-        self.riders = list(cells.sums.unbind()) if per_step_rows is not None else None
+        #: with per-step rows, the forward sums move at ``forward_into_row``, after the parameter statistics
+        self.staged = per_step_rows is not None
         self.order_rows = [buffer.row(FWD_ORDER, t) for t in range(flush_every)]
         stats = accumulator_count()
         self.stats = cells.outputs if stats else None
@@ -372,7 +368,7 @@ class _CellMoves:
             if self.sums_host is not None:
                 self.fwd_host[slot] = self.sums_host
                 self.sums_host.fill(0.0)
-            elif self.riders is None:
+            elif not self.staged:
                 self.fwd_rows[slot].copy_(self.sums)
                 self.sums.zero_()
             if sampled:
@@ -397,11 +393,9 @@ class _CellMoves:
                 self.stats_rows[slot].index_copy_(0, self.layer_index, self.stats.to(to, non_blocking=True))
 
 
-    def forward_into_row(self, slot: int, copy: bool) -> None:
-        """With per-step rows: the forward sums into row ``slot`` (``copy``: unless they were stacked
-        there already), then zeroed for the next step."""
-        if copy:
-            self.fwd_rows[slot].copy_(self.sums)
+    def forward_into_row(self, slot: int) -> None:
+        """With per-step rows: the forward sums into row ``slot``, then zeroed for the next step."""
+        self.fwd_rows[slot].copy_(self.sums)
         self.sums.zero_()
 
 

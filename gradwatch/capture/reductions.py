@@ -48,9 +48,10 @@ class StepRows:
     count: bool = True  # False: accelerators skip the non-finite count (finite-or-not stays in sq)
     #: CPU buffers: ``sq`` as a numpy view made once, for the host check of the results
     sq_host: np.ndarray | None = None
-    #: the step's per-step row (``capture/per_step_rows.py``) that ``sq`` starts, where there is one
-    #: (the whole step's: a group's slice of the rows has none)
-    row: torch.Tensor | None = None
+    #: ``sq`` is a per-step row's (``capture/per_step_rows.py``), squared where it is read: the common
+    #: case may leave the norms there (``ForeachStats.reduce``'s ``keep_norms``; a group's slice has
+    #: it False, so that every strategy of the general path writes squares)
+    norms_allowed: bool = False
 
     def __post_init__(self) -> None:
         self._slices: dict[tuple[int, int], "StepRows"] = {}
@@ -110,15 +111,12 @@ class ForeachStats:
         self.acc_dtype = acc_dtype  # float64 where the device has it (not MPS)
 
     def reduce(self, grads: list[torch.Tensor], rows: StepRows, cpu: "_CpuSlots | None", count: bool = False,
-               riders: list[torch.Tensor] | None = None) -> bool:  # fmt: skip
+               keep_norms: bool = False) -> bool:  # fmt: skip
         """Fill ``rows`` (this group's columns) for ``grads``; ``cpu``: result slots of the CPU path
         (float32 and narrower gradients); ``count``: count non-finite elements even on a step that
         does not (float64 gradients on the CPU path, whose counts are promised at every step);
-        ``riders``: 0-d tensors stacked after the norms into ``rows.row`` in the same op (the
-        layers' forward sums, where ``rows.sq`` starts the step's per-step row and ``grads`` are
-        every column: ``capture/per_step_rows.py``); ``rows.sq`` then holds the norms, not their
-        squares (that row is squared when read). Returns whether the riders were written (not
-        on the CPU's own path, nor without ``rows.row``)."""
+        ``keep_norms``: leave the norms in ``rows.sq`` where ``rows.norms_allowed`` (a per-step row,
+        squared where it is read: one op less). Returns whether ``rows.sq`` holds norms."""
         if cpu is not None:  # CPU: float32 norms, squared into the float64 row, checked on the host
             norms, _, _ = cpu.head(len(grads))
             # stack into float32 (a float64 out= costs ~6x as much), square into the row
@@ -128,17 +126,15 @@ class ForeachStats:
             if rows.max is not None:
                 rows.max.copy_(_cpu_abs_max(grads))
             return False
-        rode = riders is not None and rows.row is not None
-        if rode:  # the per-step row holds norms: squared on the host and at the flush (per_step_rows.py)
-            torch.stack([*foreach_norm(grads, 2, self.acc_dtype), *riders], out=rows.row)
-        else:
-            torch.stack(foreach_norm(grads, 2, self.acc_dtype), out=rows.sq)
+        norms = keep_norms and rows.norms_allowed
+        torch.stack(foreach_norm(grads, 2, self.acc_dtype), out=rows.sq)
+        if not norms:
             rows.sq.square_()
         if rows.count or count:
             rows.nonfinite.copy_(nonfinite_counts(grads))
         if rows.max is not None:
             torch.stack(foreach_norm(grads, _INF, self.acc_dtype), out=rows.max)
-        return rode
+        return norms
 
 
 def _cpu_abs_max(grads: list[torch.Tensor]) -> torch.Tensor:

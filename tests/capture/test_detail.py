@@ -85,8 +85,8 @@ def _ops_per_step(
 #: fixed ops 0.6-2.3% and the sampled statistics (2 steps in 50, ~10 ops a layer) ~2%
 #: (docs/design.md, benchmarks/RESULTS.md). 2026-12-05, third session: the accelerators' path
 #: keeps each step's gradient norms and forward sums in one row (capture/per_step_rows.py), its
-#: unsampled step 4 fixed ops instead of 7: MLP +6.6% -> +5.7%, Transformer +4.3% -> +4.0%.
-_OPS_BUDGET = {"_mlp": 0.06, "_transformer": 0.045}
+#: unsampled step 5 fixed ops instead of 7: MLP +6.6% -> +6.0%, Transformer +4.3% -> +4.1%.
+_OPS_BUDGET = {"_mlp": 0.065, "_transformer": 0.045}
 
 
 @pytest.mark.parametrize("make", [_mlp, _transformer], ids=["mlp8x512-batch64", "transformer4x256-adam"])
@@ -144,8 +144,8 @@ def test_a_sampled_step_adds_a_few_ops_per_layer_call_to_the_hooks(make, monkeyp
 def test_an_unsampled_step_adds_one_op_per_layer_and_a_fixed_few(make, path, monkeypatch):
     # #30: on a step that is not sampled the default does the forward check (one sum written into
     # its cell per layer) and step()'s few ops for every layer at once: nothing else grows with the
-    # model. On the accelerators' path exactly four (capture/per_step_rows.py): the gradient norms,
-    # one stack of them with the forward sums into the step's row, the zeroing of the taps' sums,
+    # model. On the accelerators' path exactly five (capture/per_step_rows.py): the gradient norms,
+    # their stack into the step's row, the forward sums' copy into it, the zeroing of the taps' sums,
     # the row's copy to the host for the per-step checks.
     import gradwatch.capture.param_stats as param_stats
 
@@ -176,7 +176,7 @@ def test_an_unsampled_step_adds_one_op_per_layer_and_a_fixed_few(make, path, mon
     if path == "accelerators":
         fixed = {str(op): n for op, n in extra.items() if op != torch.ops.aten.sum.IntList_out and n}
         assert fixed == {"aten._foreach_norm.Scalar": 1, "aten.stack.out": 1, "aten.zero_.default": 1,
-                         "aten.copy_.default": 1}, fixed  # fmt: skip
+                         "aten.copy_.default": 2}, fixed  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -176,24 +176,23 @@ def test_a_layer_ran_by_the_decoders_rule_in_the_per_step_silence_check():
 
 
 def test_per_step_rows_carry_each_step_s_own_sums_to_the_window_and_the_per_step_checks(monkeypatch):
-    # The accelerators' path keeps each step's gradient sums of squares and forward sums in one
-    # device row (capture/per_step_rows.py): the forward sums stacked with the gradient norms where
-    # every gradient is there, copied where one is missing, zeroed for the next step either way;
-    # the window's rows are copied into the buffer at the flush. A layer skipped at some steps (no
-    # gradient: the copy, as at sampled steps), a NaN batch at a step where it ran and at one where it did not, over two
+    # The accelerators' path keeps each step's gradient norms and forward sums in one device row
+    # (capture/per_step_rows.py): the norms left unsquared where every gradient is there, the
+    # general path's sums of squares turned into norms where one is missing, the taps' sums copied
+    # and zeroed for the next step; the window's rows go into the buffer at the flush, squared. A
+    # layer skipped at some steps (no gradient: the general path, as at sampled steps), a NaN batch at a step where it ran and at one where it did not, over two
     # windows: the windows and the per-step checks must say what the test computes itself.
     import torch
     from torch import nn
 
     import gradwatch.capture.param_stats as param_stats
     from gradwatch import GradMonitor
-    from gradwatch.capture.recorder import _CellMoves
 
     monkeypatch.setattr(param_stats, "CPU_FAST_PATH", False)  # the accelerators' path, on CPU tensors
-    copied = []
-    forward_into_row = _CellMoves.forward_into_row
-    monkeypatch.setattr(_CellMoves, "forward_into_row",
-                        lambda self, slot, copy: copied.append(copy) or forward_into_row(self, slot, copy))
+    kept_norms = []
+    record = param_stats.ParamStats.record
+    monkeypatch.setattr(param_stats.ParamStats, "record",
+                        lambda self, *args: kept_norms.append(record(self, *args)) or kept_norms[-1])
 
     class Skips(nn.Module):
         def __init__(self):
@@ -232,9 +231,9 @@ def test_per_step_rows_carry_each_step_s_own_sums_to_the_window_and_the_per_step
         monitor.step()
         model.zero_grad(set_to_none=True)
     monitor.close()
-    # copied at the sampled steps (0, 1 of each window: max |g| takes the general path) and where "mid"
-    # had no gradient; stacked with the norms at every other step
-    assert len(windows) == 2 and [s for s, c in enumerate(copied) if c] == [0, 1, 5, 6, 7, 8]
+    # sums of squares turned into norms at the sampled steps (0, 1 of each window: max |g| takes the
+    # general path) and where "mid" had no gradient; the norms left as they are at every other step
+    assert len(windows) == 2 and [s for s, n in enumerate(kept_norms) if not n] == [0, 1, 5, 6, 7, 8]
     for w in windows:
         for t, step in enumerate(w.steps):
             for i, name in enumerate(w.layers):
