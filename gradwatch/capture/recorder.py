@@ -368,9 +368,8 @@ class _CellMoves:
             if self.sums_host is not None:
                 self.fwd_host[slot] = self.sums_host
                 self.sums_host.fill(0.0)
-            elif not self.staged:
-                self.fwd_rows[slot].copy_(self.sums)
-                self.sums.zero_()
+            elif not self.staged:  # (staged: moved after the parameter statistics, by the per-step rows)
+                self.forward_into_row(slot)
             if sampled:
                 self.order_rows[slot].copy_(self.first_calls)
                 torch.index_select(cells.backward, 0, cells.grad_index, out=self.out_flat[slot])
@@ -392,9 +391,8 @@ class _CellMoves:
             if self.stats is not None:
                 self.stats_rows[slot].index_copy_(0, self.layer_index, self.stats.to(to, non_blocking=True))
 
-
     def forward_into_row(self, slot: int) -> None:
-        """With per-step rows: the forward sums into row ``slot``, then zeroed for the next step."""
+        """The forward sums into row ``slot`` (the buffer's, or the per-step row), then zeroed for the next step."""
         self.fwd_rows[slot].copy_(self.sums)
         self.sums.zero_()
 

@@ -62,7 +62,7 @@ class StepReadback:
         self.host_path = host_path and buffer.device.type == "cpu"
         self.cuda = buffer.device.type == "cuda"
         p, n = len(layout.param_layer), len(layout.names)
-        self._sizes = (p, n, p, n)  # a staged row: [sums of squares | forward sums | non-finite counts | out_sq]
+        self._p, self._n = p, n  # a staged row: [sums of squares | forward sums | non-finite counts | out_sq]
         self._rows = [
             (buffer.row(PARAM_SQ, t), buffer.row(FWD_SUM, t), buffer.row(PARAM_NONFINITE, t), buffer.row(OUT_GRAD, t)[0])
             for t in range(layout.flush_every)
@@ -93,9 +93,9 @@ class StepReadback:
     def _add_slot(self) -> None:
         """One more staging slot (pinned host memory on CUDA), free."""
         buffer = self.layout.buffer
-        row = torch.empty(sum(self._sizes), dtype=buffer.dtype, pin_memory=self.cuda)
-        order = torch.empty(len(self.layout.names), dtype=buffer.dtype, pin_memory=self.cuda)
-        p, n = self._sizes[:2]
+        p, n = self._p, self._n
+        row = torch.empty(2 * (p + n), dtype=buffer.dtype, pin_memory=self.cuda)
+        order = torch.empty(n, dtype=buffer.dtype, pin_memory=self.cuda)
         self._ring.append((row[: p + n], row[p + n :], order))  # views made once: slicing is an op per call
         self._ring_host.append((row.numpy(), order.numpy()))
         self._free.append(len(self._ring) - 1)
@@ -151,7 +151,7 @@ class StepReadback:
                 if event is not None and wait:
                     event.synchronize()
                 staged, order_host = self._ring_host[k]
-                p, n = self._sizes[:2]
+                p, n = self._p, self._n
                 values = staged[: 2 * (p + n) if sampled else p + n].astype(np.float64)  # a copy: the slot is reused
                 sq, forward = values[:p], values[p : p + n]
                 if self._every_step is not None:
