@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .alerts import Alert, GradientHealthError
-from .capture.param_stats import ModelMoved
+from .capture.column_groups import ModelMoved
 from .detect.checks import Assessment
 from .flush.window import Window
 

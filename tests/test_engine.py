@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from gradwatch import GradMonitor, HealthConfig
-from gradwatch.capture.param_stats import CpuBlasStats, ForeachStats, StepRows, _CpuSlots
+from gradwatch.capture.reductions import CpuBlasStats, ForeachStats, StepRows, _CpuSlots
 
 from .conftest import read_scalars
 from .reference import own_grad_norm

@@ -66,11 +66,11 @@ def build_updates(monitor: Any, recorder: Recorder, optimizer: Any, flush_every:
 
     def write_update(columns: Any, index: torch.Tensor, update_sq: torch.Tensor, weight_sq: torch.Tensor) -> None:
         if live():
-            recorder.write_update(monitor_ref()._next_step - 1, columns, index, update_sq, weight_sq)
+            recorder.update_rows.write(monitor_ref()._next_step - 1, columns, index, update_sq, weight_sq)
 
     def write_estimate(update_norms: torch.Tensor, weight_norms: torch.Tensor) -> None:
         if live():
-            recorder.write_estimate(update_norms, weight_norms)
+            recorder.update_rows.write_estimate(recorder.slot - 1, update_norms, weight_norms)
 
     return UpdateRatio(
         optimizer, recorder.param_stats.params, recorder.param_stats.param_layer, flush_every, write_update,

@@ -37,6 +37,10 @@ class Layout:
         #: Non-finite parameter-gradient elements are counted at every step (the CPU's host
         #: check), not only on sampled steps.
         self.counts_every_step = param_stats.counts_every_step
+        #: Per-step values are read from host memory: the CPU's own path, whose buffer is host
+        #: memory (the read-back reads its rows as numpy views; the recorder keeps no per-step
+        #: device rows). The one place this is decided.
+        self.host_path = bool(self.counts_every_step and torch.device(device).type == "cpu")
 
         self.track_updates = track_updates
         #: the columns of the per-step update sample, and how many elements each sample has

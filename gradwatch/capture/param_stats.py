@@ -15,15 +15,15 @@ from __future__ import annotations
 import functools
 import logging
 import operator
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 
+from .column_groups import TINY, ColumnGroups, Group, group_key
 from .layers import LayerSpec, rank_gradient
 from .reductions import (  # noqa: F401  (StepRows, nonfinite_counts: their import path before the split)
-    CpuBlasStats, ForeachStats, StepRows, TinyStats, _CpuSlots, complex_stats, nonfinite_counts,
+    CpuBlasStats, ForeachStats, StepRows, TinyStats, complex_stats, nonfinite_counts,
 )
 from .sharded_sums import ShardedSums
 from ..distributed.sharding import is_dtensor, local_piece, piece_weight
@@ -32,42 +32,11 @@ log = logging.getLogger("gradwatch")
 
 _is_none = functools.partial(operator.is_, None)
 
-# CPU float32 tensors at least this large go to CpuBlasStats; smaller ones (biases,
-# norms) to one foreach call per group, which saves a Python dispatch per tensor.
-CPU_LARGE = 1 << 15
-
 #: The CPU's own path (float32 results in host-shared slots, checked on the host, and
 #: CpuBlasStats for large tensors). False: CPU tensors take the device-agnostic path that
 #: accelerators take (float64 foreach norms, counts on sampled steps), which is how the
 #: test suite runs that path on every commit without a GPU. Read when a monitor attaches.
 CPU_FAST_PATH = True
-
-#: The key's third field for tensors whose float32 squares underflow (``TinyStats``).
-TINY = "tiny"
-#: The CPU dtypes whose sums the float32 slots hold and check (float64 and complex go elsewhere).
-_SLOT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-class ModelMoved(RuntimeError):
-    """The model's parameters moved to another device after the monitor attached."""
-
-    def __init__(self, was: torch.device, now: torch.device) -> None:
-        super().__init__(
-            f"the model's parameters moved from {was} to {now} after gradwatch attached, and its "
-            f"statistics live on {was}: create the monitor after moving the model (model.to(device), "
-            f"or materialising a model built on the meta device, first), or close() this monitor and "
-            f"create a new one. gradwatch stops recording"
-        )
-        self.was, self.now = was, now
-
-
-@dataclass
-class _Group:
-    """Parameters reduced together: one strategy, one contiguous slice of columns."""
-
-    key: tuple | None  # (device, dtype, large CPU float32); None: reduced one by one (DTensors, sparse)
-    cols: slice
-    params: list[torch.nn.Parameter]
 
 
 class _Columns:
@@ -127,11 +96,9 @@ class ParamStats:
         self._foreach = ForeachStats(torch.float32 if device.type == "mps" else torch.float64)
         self._blas = CpuBlasStats()
         self._tiny = TinyStats()
-        #: columns to move into or out of TinyStats at the next step (their squares underflow float32)
-        self._retier: set[int] = set()
         # Columns ordered by group (device, dtype, strategy): each group a contiguous slice.
         # reduced one by one: sparse-capable tensors, and gradients kept elsewhere (read through ``_grad``)
-        keys = [None if id(p) in c.sparse_capable or id(p) in readers else _group_key(p, self.cpu_fast) for p in params]
+        keys = [None if id(p) in c.sparse_capable or id(p) in readers else group_key(p, self.cpu_fast) for p in params]
         order = sorted(range(len(params)), key=lambda j: (keys[j] is None, str(keys[j]), j))
         self.params = [params[j] for j in order]
         #: "layer.parameter" of each column (log lines only)
@@ -144,48 +111,9 @@ class ParamStats:
         #: the columns' weights in a world-wide sum, and the Partial gradients' private reductions
         self._world = ShardedSums(self.params, [pieces[j] for j in order], c.whole_ids, self.world_size,
                                   reduce_partials)  # fmt: skip
-        self._plan([keys[j] for j in order])
-
-    def _plan(self, keys: list) -> None:
-        """Group the columns (in their fixed order) by key: contiguous runs of equal keys."""
-        self._keys = keys
-        self._groups = self._make_groups(keys)
-        # Steps without max |g| (detail="standard", unsampled) need sums of squares only: one
-        # foreach kernel per (device, dtype), large CPU tensors included (one op instead of a
-        # view and a dot per tensor; foreach_norm reads a cold tensor about as fast).
-        self._light_groups = self._make_groups([None if k is None else (k[0], k[1], k[2] == TINY and TINY) for k in keys])
-        cpu_sizes = [g.cols.stop - g.cols.start for g in self._groups if g.key is not None and g.key[0].type == "cpu"]
-        needed = max(cpu_sizes + [len(g.params) for g in self._light_groups if _slot_checked(g.key, self.cpu_fast)],
-                     default=0)  # fmt: skip
-        # Slots large enough are kept: a vanishing model re-plans as its tensors cross the tiny
-        # line one after another, and new slots cost ~3 ms per re-plan at 500 tensors (unbind).
-        if getattr(self, "_slots", None) is None or len(self._slots.slots) < needed:
-            self._slots = _CpuSlots(needed)
-        # The common case, reduced without the general loop's layers (``_record_whole``): one group of
-        # every column, dense and whole on this rank, reduced by ``ForeachStats`` (into the float32
-        # slots on the CPU's own path). Each Python call there runs right after backward at ~10x its
-        # warm price (benchmarks/RESULTS.md, twenty-fifth session).
-        light = self._light_groups
-        key = light[0].key if len(light) == 1 else None
-        dense_whole = key is not None and not self.sharded and not self._world.dtensors and not self._readers
-        simple = dense_whole and key[2] != TINY and not key[1].is_complex and (
-            _slot_checked(key, self.cpu_fast) or not self._on_cpu_path(key))  # (CPU float64: counted, elsewhere)
-        self._whole_group = light[0] if simple else None
-        self._whole_slots = simple and _slot_checked(key, self.cpu_fast)
-
-    def _replan(self) -> None:
-        """The model was cast after attaching (``model.double()``, ``.half()``, ``.to(dtype)``):
-        group the tensors by their new dtypes. A device move cannot be followed: the buffer and
-        the taps' cells live on the device the model was on (:class:`ModelMoved`)."""
-        keys = [None if old is None else _group_key(p, self.cpu_fast) for p, old in zip(self.params, self._keys)]
-        for old, new, p in zip(self._keys, keys, self.params):
-            if old is not None and new[0] != old[0]:
-                raise ModelMoved(old[0], new[0])
-        log.info("gradwatch: the model's parameters changed dtype after attaching; statistics follow them")
-        self._plan(keys)
-
-    def _make_groups(self, keys: list) -> list[_Group]:
-        return [_Group(key, cols, self.params[cols]) for key, cols in _contiguous_groups(keys)]
+        dense_whole = not self.sharded and not self._world.dtensors and not self._readers
+        #: the columns' groups by strategy, and their moves between tiers (``column_groups.py``)
+        self.columns = ColumnGroups(self.params, [keys[j] for j in order], self.cpu_fast, dense_whole)
 
     @property
     def n_params(self) -> int:
@@ -193,7 +121,7 @@ class ParamStats:
 
     def strategy_of(self, column: int) -> str:
         """The name of the strategy that reduces column ``column`` when its gradient is dense."""
-        for group in self._groups:
+        for group in self.columns.groups:
             if group.cols.start <= column < group.cols.stop:
                 large = group.key[2] if group.key is not None else False
                 return self._tiny.name if large == TINY else self._blas.name if large else self._foreach.name
@@ -210,40 +138,41 @@ class ParamStats:
         finally:
             torch._C._set_grad_enabled(grad_mode)
 
-    def _record_whole(self, group: _Group, rows: StepRows, present: np.ndarray) -> bool | None:
-        """``_record`` for the common case (``_plan``'s ``_whole_group``) on a step without max |g|:
+    def _record_whole(self, group: Group, rows: StepRows, present: np.ndarray) -> bool | None:
+        """``_record`` for the common case (``ColumnGroups.whole_group``) on a step without max |g|:
         the same reduction, called directly; returns whether it left norms (see ``record``). None,
         having written nothing it keeps, where the general path must decide (a gradient missing, a
         cast after attaching, a reduction that raised)."""
-        params = group.params
+        params, columns = group.params, self.columns
         grads = [p.grad for p in params]
         if any(map(_is_none, grads)) or params[0].dtype != group.key[1]:
             return None
         try:
-            norms = self._foreach.reduce(grads, rows, self._slots if self._whole_slots else None, keep_norms=True)
+            norms = self._foreach.reduce(grads, rows, columns.slots if columns.whole_slots else None, keep_norms=True)
         except Exception:
             return None  # the general path reduces each tensor alone and names the one that fails
         present.fill(1)
-        if self._whole_slots and self._slots.found_tiny:
-            self._note_tiers(group.key, 0)
+        if columns.whole_slots and columns.slots.found_tiny:
+            columns.note_tiers(group.key, 0, self._tiny)
         return norms
 
     def _record(self, rows: StepRows, present: np.ndarray) -> bool:
         # Every Python operation here runs right after backward has evicted the interpreter's
         # working set from the caches, at ~10x its usual price: the common case is kept short.
         weights: list[tuple[int, float]] = []
-        if self._retier:
-            self._apply_retier()
-        whole = self._whole_group
+        columns = self.columns
+        if columns.retier:
+            columns.apply_retier()
+        whole = columns.whole_group
         if whole is not None and rows.max is None:
             norms = self._record_whole(whole, rows, present)
             if norms is not None:
                 return norms
         private = self._world.reduced_partials()
-        for group in self._groups if rows.max is not None else self._light_groups:
+        for group in columns.groups if rows.max is not None else columns.light_groups:
             key = group.key
             if key is not None and (group.params[0].dtype != key[1] or group.params[0].device != key[0]):
-                self._replan()  # cast after attaching: follow it (or, moved, say so)
+                columns.follow_cast()  # cast after attaching: follow it (or, moved, say so)
                 return self._record(rows, present)
             grads = [p.grad for p in group.params] if group.key is not None or not self._readers else \
                 [self._grad(p) for p in group.params]
@@ -266,7 +195,7 @@ class ParamStats:
                 present[column] = 1
                 if g.numel() == 0:
                     continue
-                if self._reduce(_group_key(g, self.cpu_fast, dense=True), [g], rows.part(slice(column, column + 1))):
+                if self._reduce(group_key(g, self.cpu_fast, dense=True), [g], rows.part(slice(column, column + 1))):
                     present[column] = 0
         if self.sharded:
             self._world.apply(rows, weights)
@@ -286,7 +215,7 @@ class ParamStats:
         try:
             self._reduce_group(key, grads, rows)
             if first is not None:
-                self._note_tiers(key, first)
+                self.columns.note_tiers(key, first, self._tiny)
             return []
         except Exception as exc:
             if len(grads) == 1:
@@ -308,32 +237,6 @@ class ParamStats:
             log.warning("gradwatch: the statistics of parameter %s failed (%s: %s); it alone is left out, "
                         "training and the other statistics go on", name, type(exc).__name__, exc)  # fmt: skip
 
-    def _note_tiers(self, key: tuple, first: int) -> None:
-        """After a CPU group's reduction: its tensors that turned tiny (or grew out of it) change
-        strategy at the next step."""
-        if key[2] == TINY:
-            moved, self._tiny.grown = self._tiny.grown, []
-        elif key[0].type == "cpu" and self.cpu_fast and key[1] in _SLOT_DTYPES:  # the groups the slots check
-            moved, self._slots.found_tiny = self._slots.found_tiny, []
-        else:
-            return
-        self._retier.update(first + k for k in moved)
-
-    def _apply_retier(self) -> None:
-        """Move the columns in ``_retier`` between TinyStats and their own strategy (the column
-        order stays: only the runs of equal keys split or join)."""
-        keys = list(self._keys)
-        for column in self._retier:
-            key = keys[column]
-            if key is not None:
-                keys[column] = _group_key(self.params[column], self.cpu_fast) if key[2] == TINY else (key[0], key[1], TINY)
-        self._retier.clear()
-        self._plan(keys)
-
-    def _on_cpu_path(self, key: tuple) -> bool:
-        """Whether a group of ``key`` takes the CPU's own path (slots, host checks, float64 counted)."""
-        return key[0].type == "cpu" and self.cpu_fast
-
     def _reduce_group(self, key: tuple, grads: list[torch.Tensor], rows: StepRows) -> None:
         device, dtype, large = key
         if large == TINY:
@@ -342,13 +245,11 @@ class ParamStats:
         if dtype.is_complex:  # measured by their modulus: sum of |g|^2, max |g|, non-finite elements
             complex_stats(grads, rows, self._foreach.acc_dtype)
             return
-        on_cpu = self._on_cpu_path(key)
+        on_cpu = self.columns.on_cpu_path(key)
         if on_cpu and dtype == torch.float64:  # float32 slots cannot hold them: float64 norms, counted
             self._foreach.reduce(grads, rows, None, count=True)
             return
-        slots = self._slots if on_cpu else None
-        if on_cpu and len(grads) > len(self._slots.slots):
-            self._slots = slots = _CpuSlots(len(grads))
+        slots = self.columns.ensure_slots(len(grads)) if on_cpu else None
         if large:
             self._blas.reduce(grads, rows, slots)  # type: ignore[arg-type]
         else:
@@ -363,30 +264,4 @@ class ParamStats:
         self.params = []
         self._world.drop_references()
         self._readers = {}
-        self._groups = []
-        self._light_groups = []
-        self._whole_group = None
-
-
-def _contiguous_groups(keys: list) -> list[tuple[tuple | None, slice]]:
-    """(key, columns) of each run of equal keys (the columns are sorted by key)."""
-    groups: list[tuple[tuple | None, slice]] = []
-    start = 0
-    for j in range(1, len(keys) + 1):
-        if j == len(keys) or keys[j] != keys[start]:
-            groups.append((keys[start], slice(start, j)))
-            start = j
-    return groups
-
-
-def _slot_checked(key: tuple | None, cpu_fast: bool) -> bool:
-    """Whether a group of ``key`` is reduced into the float32 slots and checked on the host."""
-    return cpu_fast and key is not None and key[0].type == "cpu" and key[1] in _SLOT_DTYPES and key[2] != TINY
-
-
-def _group_key(p: torch.Tensor, cpu_fast: bool, dense: bool = False) -> tuple | None:
-    """(device, dtype, large CPU float32) of a dense local tensor; None for DTensors (reduced one by one)."""
-    if not dense and is_dtensor(p):
-        return None
-    large = cpu_fast and p.device.type == "cpu" and p.dtype == torch.float32 and p.numel() >= CPU_LARGE
-    return (p.device, p.dtype, large)
+        self.columns.drop_references()

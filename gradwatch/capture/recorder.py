@@ -18,16 +18,17 @@ import torch
 from .cells import Cells, DeviceCells
 from .host_cells import HostCellMoves
 from ..flush.decode import build_window
-from .devices import host_to_device, index_tensor
+from .devices import index_tensor
 from .layers import LayerSpec
 from ..registry import accumulator_count
 from ..registry.states import (
-    OUT_STATS, FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, SAMPLE_UPDATE_SQ,
-    SAMPLE_WEIGHT_SQ, STEP_FAILED, STEP_UNSAMPLED, UNIT_ACC, DEAD_SUSPECTED, UPDATE_SEEN, UPDATE_SQ, WEIGHT_SQ,
+    OUT_STATS, FWD_ORDER, FWD_SUM, OUT_GRAD, PARAM_MAX, PARAM_NONFINITE, PARAM_PRESENT, PARAM_SQ, STEP_FAILED,
+    STEP_UNSAMPLED, UNIT_ACC, DEAD_SUSPECTED,
 )  # fmt: skip
 from .layout import Layout
 from .param_stats import ParamStats, StepRows
 from .per_step_rows import PerStepRows
+from .update_rows import UpdateRows
 from ..failures import raise_if_strict
 from ..flush.window import Window
 
@@ -66,10 +67,10 @@ class Recorder:
         self.plan = self.cells.plan
         self.plan.every_step = bool(self.layout.planned_slots.all())  # detail="full"
         self.slot = 0
-        self.update_steps: list[int] = []  # the optimizer step each update row describes
+        #: the update-ratio measurements' rows in the buffer (``update_rows.py``)
+        self.update_rows = UpdateRows(buffer, self.param_stats, flush_every)
         #: the optimizer hooks measuring update_ratio into this buffer (``capture.updates.UpdateRatio``), or None
         self.updates: Any = None
-        self._update_weights: torch.Tensor | None = None  # per-column weights when sharded
         self._failures: set[str] = set()
         # Views made once: indexing and slicing are an op each per call.
         self._units_window = buffer[UNIT_ACC]
@@ -95,6 +96,11 @@ class Recorder:
 
         self._param_rows = rows(self.layout.planned_slots)
         self._full_rows = rows(np.ones(flush_every, dtype=bool))  # a window of every statistic at every step
+
+    @property
+    def update_steps(self) -> list[int]:
+        """The optimizer step each update row of this window describes."""
+        return self.update_rows.steps
 
     @property
     def nbytes(self) -> int:
@@ -195,37 +201,6 @@ class Recorder:
         self.cells.host.clear()
         self.plan.step += 1  # the taps' next calls are their first since the cells were zeroed
 
-    def write_update(self, step: int, columns: np.ndarray | None, index: torch.Tensor | None,
-                     update_sq: torch.Tensor | None, weight_sq: torch.Tensor | None) -> None:  # fmt: skip
-        """Record one measured optimizer step's squared norms for ``columns`` (``index``: the same on
-        the device); ``columns`` None: the measurement failed on this rank, the row exists empty."""
-        row = len(self.update_steps)
-        if row > self.flush_every:  # no flush since: measurements beyond a window's capacity are dropped
-            return
-        if columns is None or index is None or update_sq is None or weight_sq is None:
-            self.update_steps.append(step)
-            return
-        dtype = self._dtype
-        update, weight = update_sq.to(dtype), weight_sq.to(dtype)
-        if self.param_stats.sharded:
-            if self._update_weights is None:
-                self._update_weights = host_to_device(self.param_stats.param_weights(), self.device, dtype)
-            scale = self._update_weights.index_select(0, index)
-            update, weight = update * scale, weight * scale
-        self.buffer.row(UPDATE_SQ, row).index_copy_(0, index, update)
-        self.buffer.row(WEIGHT_SQ, row).index_copy_(0, index, weight)
-        self._host[UPDATE_SEEN][row][columns] = 1
-        self.update_steps.append(step)
-
-    def write_estimate(self, update_norms: torch.Tensor, weight_norms: torch.Tensor) -> None:
-        """The per-step sampled update estimate of the step just recorded (its optimizer step runs
-        after ``step()``); dropped for a window's last step, whose row was flushed already."""
-        row = self.slot - 1
-        if row < 0:
-            return
-        torch.square(update_norms.to(self._dtype), out=self.buffer.row(SAMPLE_UPDATE_SQ, row))
-        torch.square(weight_norms.to(self._dtype), out=self.buffer.row(SAMPLE_WEIGHT_SQ, row))
-
     def mark_window_failed(self) -> None:
         """Mark every step of the window as failed (a failure before the flush's collective)."""
         self._host[STEP_FAILED][:] = 1
@@ -253,7 +228,7 @@ class Recorder:
         if self.per_step_rows is not None:
             self.per_step_rows.zero_()
         self.discard_pending()
-        self.update_steps = []
+        self.update_rows.start_window()
         self.slot = 0
         self.layout.start_window()
         self.plan.sampling = True
@@ -311,10 +286,9 @@ def _per_step_rows(layout: Layout, param_stats: ParamStats, cells: Cells) -> Per
     read from host memory (the CPU's own path), nor for the weighted columns of sharded tensors,
     nor for layers on several devices (their forward sums are gathered by index)."""
     buffer = layout.buffer
-    host_path = param_stats.counts_every_step and buffer.device.type == "cpu"
     whole = len(cells.devices) == 1 and cells.devices[0].n == len(layout.names) and \
         cells.devices[0].sums.device == buffer.device
-    if host_path or param_stats.sharded or not whole:
+    if layout.host_path or param_stats.sharded or not whole:
         return None
     return PerStepRows(buffer, layout.flush_every, param_stats.n_params, len(layout.names))
 

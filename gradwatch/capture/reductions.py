@@ -145,7 +145,7 @@ def _cpu_abs_max(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 class CpuBlasStats:
-    """CPU float32 tensors of at least ``CPU_LARGE`` elements: one BLAS dot and one aminmax each.
+    """CPU float32 tensors of at least ``column_groups.CPU_LARGE`` elements: one BLAS dot and one aminmax each.
 
     ``aminmax`` goes first: it splits the tensor across the intra-op threads and
     leaves it in cache for the dot.

@@ -42,8 +42,7 @@ def assemble(config: HealthConfig, names: list[str], optimizer: Any, recorder: A
     checks = HealthChecks(config, names, normalised_steps=normalised)
     tracker = AlertTracker(config.remind_every, log_alerts=is_writer, recovery_flushes=config.recovery_flushes,
                            layers=names)  # fmt: skip
-    readback = StepReadback(recorder.layout, host_path=recorder.param_stats.counts_every_step,
-                            per_step_rows=recorder.per_step_rows)
+    readback = StepReadback(recorder.layout, per_step_rows=recorder.per_step_rows)
     per_step = readback.available and not recorder.param_stats.sharded and not union
     checks.model_per_step = per_step
     # the scaler, not the monitor: nothing the hooks reach may keep the monitor alive

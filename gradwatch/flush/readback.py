@@ -56,10 +56,10 @@ class StepValues:
 class StepReadback:
     """Per-step values of one window, handed over when they are on the host."""
 
-    def __init__(self, layout: Layout, host_path: bool, per_step_rows: PerStepRows | None = None) -> None:
+    def __init__(self, layout: Layout, per_step_rows: PerStepRows | None = None) -> None:
         self.layout = layout
         buffer = layout.buffer
-        self.host_path = host_path and buffer.device.type == "cpu"
+        self.host_path = layout.host_path
         self.cuda = buffer.device.type == "cuda"
         p, n = len(layout.param_layer), len(layout.names)
         self._p, self._n = p, n  # a staged row: [sums of squares | forward sums | non-finite counts | out_sq]
