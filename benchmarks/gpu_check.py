@@ -108,7 +108,7 @@ def launch_bound(device: torch.device, rounds: int = 200, workload=None) -> dict
     host: list[float] = []
     for step in range(rounds):
         workload.loss(model(x), y).backward()
-        sampled = monitor._recorder.plan.sampling
+        sampled = monitor._recorder.flags.sampling
         start = time.perf_counter()
         monitor.step()
         if not sampled and step % 50 != 49:  # neither a sampled step nor a flush

@@ -42,7 +42,7 @@ def measure_depth(depth: int, steps: int, batch: int, clock=time.perf_counter) -
     plain.load_state_dict(watched.state_dict())
     x, y = workload.make_batch(torch.device("cpu"))
     monitor = GradMonitor(watched, flush_every=50)
-    plan = monitor._recorder.plan
+    flags = monitor._recorder.flags
     optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in (watched, plain)]
     params = [p for p in plain.parameters() if p.requires_grad]
     ours: list[float] = []
@@ -51,7 +51,7 @@ def measure_depth(depth: int, steps: int, batch: int, clock=time.perf_counter) -
     try:
         for step in range(steps):
             workload.loss(watched(x), y).backward()
-            counted = not plan.sampling and (step + 1) % monitor.flush_every != 0 and step >= 10
+            counted = not flags.sampling and (step + 1) % monitor.flush_every != 0 and step >= 10
             t0 = clock()
             monitor.step()
             if counted:

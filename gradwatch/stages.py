@@ -79,7 +79,7 @@ def connect(model: nn.Module, layers: list[LayerSpec], recorder: Recorder, colle
         stages = Stages(names, detection, watch, outputs, pipeline, None, is_writer)
         stages.hooks = HookSet(model, layers, recorder.cells.taps)
         watch.model_code = stages.hooks.model_code
-        recorder.plan.watch_cache_switch(model)
+        recorder.flags.watch_cache_switch(model)
     except BaseException:
         watch.drop_references()
         outputs.close()

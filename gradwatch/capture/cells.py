@@ -66,7 +66,7 @@ class DeviceTapState:
     """What every tap of the layers on one device reads besides its own cells, in one object.
 
     Args:
-        plan: the monitor's ``taps.RecordingFlags``.
+        flags: the monitor's ``taps.RecordingFlags``.
         clock: [1] the forward order's clock, counted down at each sampled compiled call.
         sampled: [1] bool, whether this step is sampled (what compiled taps read on the device).
         sampled_count: [1] the same as 1.0 or 0.0, in the stat dtype.
@@ -74,9 +74,9 @@ class DeviceTapState:
         clock_scale: where the clock starts and how far a compiled call counts it down.
     """
 
-    def __init__(self, plan: "RecordingFlags", clock: torch.Tensor, sampled: torch.Tensor,
+    def __init__(self, flags: "RecordingFlags", clock: torch.Tensor, sampled: torch.Tensor,
                  sampled_count: torch.Tensor, weights: torch.Tensor, clock_scale: ClockScale) -> None:  # fmt: skip
-        self.plan = plan
+        self.flags = flags
         self.clock, self.sampled, self.sampled_count, self.weights = clock, sampled, sampled_count, weights
         self.clock_scale = clock_scale
         #: how far a compiled call counts the clock down; eager taps order themselves on the host
@@ -84,13 +84,13 @@ class DeviceTapState:
         self.clock_tick, self.host_order = clock_scale.tick, clock_scale.host_order
 
     @classmethod
-    def declare(cls, plan: "RecordingFlags", device: torch.device) -> "DeviceTapState":
+    def declare(cls, flags: "RecordingFlags", device: torch.device) -> "DeviceTapState":
         """The state of a fresh step on ``device`` (sampled, the clock at its start)."""
         dtype = stat_dtype(device)
         scale = ClockScale(dtype)
         generator = torch.Generator().manual_seed(20261129)
         return cls(
-            plan,
+            flags,
             clock=torch.full((1,), scale.start, dtype=dtype, device=device),
             sampled=torch.ones(1, dtype=torch.bool, device=device),
             sampled_count=torch.ones(1, dtype=dtype, device=device),
@@ -158,7 +158,7 @@ class DeviceCells:
         return self.backward.index_select(0, self.unit_index)
 
     @classmethod
-    def declare(cls, plan: "RecordingFlags", device: torch.device, members: list[int], units: list[int]) -> "DeviceCells":
+    def declare(cls, flags: "RecordingFlags", device: torch.device, members: list[int], units: list[int]) -> "DeviceCells":
         """Zeroed cells on ``device`` for the layers ``members`` (global indices) with ``units`` units each."""
         n, dtype = len(members), stat_dtype(device)
         sizes = ROW_COUNTS + np.array(units, dtype=np.int64)
@@ -175,7 +175,7 @@ class DeviceCells:
             grad_index=torch.as_tensor(grad_index, dtype=torch.int64, device=device),
             unit_index=torch.as_tensor(unit_index, dtype=torch.int64, device=device),
             row_start=start,
-            shared=DeviceTapState.declare(plan, device),
+            shared=DeviceTapState.declare(flags, device),
         )
 
     def reset_step(self) -> None:
@@ -212,16 +212,16 @@ class Cells:
             by_device.setdefault(layer.params[0].device, []).append(i)
         self.devices: list[DeviceCells] = []
         self.taps: list[OutputTap] = []  # one per layer, in layer order
-        self.plan = RecordingFlags()
+        self.flags = RecordingFlags()
         #: what eager taps count on the host (``host_cells.py``)
         self.host = HostCells(self.n_layers, ClockScale(torch.float64).tick)
         per_layer: dict[int, tuple[DeviceCells, int, int]] = {}
         for device, members in by_device.items():
             units = [int(unit_count[i]) for i in members]
-            cells = DeviceCells.declare(self.plan, device, members, units)
+            cells = DeviceCells.declare(self.flags, device, members, units)
             self.devices.append(cells)
             if not host_branch.IN_USE:  # only the masked path reads the sampling flag on the device
-                self.plan.device_flags.append((cells.shared.sampled, cells.shared.sampled_count))
+                self.flags.device_flags.append((cells.shared.sampled, cells.shared.sampled_count))
             for k, i in enumerate(members):
                 per_layer[i] = (cells, k, int(cells.row_start[k]))
         for i, layer in enumerate(layers):

@@ -72,9 +72,9 @@ class ColumnGroups:
         self.slots: _CpuSlots | None = None
         #: columns to move into or out of the tiny tier at the next step (their squares underflow float32)
         self.retier: set[int] = set()
-        self.plan(keys)
+        self.regroup(keys)
 
-    def plan(self, keys: list) -> None:
+    def regroup(self, keys: list) -> None:
         """Group the columns (in their fixed order) by key: contiguous runs of equal keys."""
         self.keys = keys
         #: the groups of a step that records every statistic (max |g| included)
@@ -121,7 +121,7 @@ class ColumnGroups:
             if old is not None and new[0] != old[0]:
                 raise ModelMoved(old[0], new[0])
         log.info("gradwatch: the model's parameters changed dtype after attaching; statistics follow them")
-        self.plan(keys)
+        self.regroup(keys)
 
     def note_tiers(self, key: tuple, first: int, tiny: TinyStats) -> None:
         """After a CPU group's reduction from column ``first``: its tensors that turned tiny (the
@@ -142,7 +142,7 @@ class ColumnGroups:
             if key is not None:
                 keys[column] = group_key(self.params[column], self.cpu_fast) if key[2] == TINY else (key[0], key[1], TINY)
         self.retier.clear()
-        self.plan(keys)
+        self.regroup(keys)
 
     def on_cpu_path(self, key: tuple) -> bool:
         """Whether a group of ``key`` takes the CPU's own path (slots, host checks, float64 counted)."""

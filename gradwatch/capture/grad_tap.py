@@ -58,7 +58,7 @@ class GradTap:
         self.step_sq = grad_row.data[0:1].view(())
         self.unit_row = grad_row.data[ROW_COUNTS:].view(1, grad_row.numel() - ROW_COUNTS)
         self.failed = failed
-        self.grad_at = -1  # plan.step of this layer's latest output gradient (eager)
+        self.grad_at = -1  # flags.step of this layer's latest output gradient (eager)
 
     def on_output_grad(self, grad: torch.Tensor, shared: "DeviceTapState") -> torch.Tensor:
         """Tensor hook on the output: sum of squares (float64), calls and dead-unit evidence.
@@ -80,7 +80,7 @@ class GradTap:
         """Fold one output gradient into the step's cells (eager hooks run on sampled steps only):
         its statistics written into the cells at the step's first gradient, added after it; the
         calls and samples counted on the host."""
-        step = shared.plan.step
+        step = shared.flags.step
         first = self.grad_at != step
         self.grad_at = step
         samples = self.grad_stats.record(g, self.step_sq, self.unit_row, first)
@@ -96,10 +96,10 @@ class GradTap:
         (``host_branch.py``: nothing on the others, no statistics compiled into the graph), or where
         it is not in use, computed at every step and masked."""
         stats, row, weights = self.grad_stats, self.grad_row, shared.weights
-        if shared.plan.every_step:
+        if shared.flags.every_step:
             stats.add_to_cells(g, weights, row)
         elif host_branch.IN_USE:
-            host_branch.add_output_grad(g, row, weights, shared.plan.key, stats.units, stats.channel_first,
+            host_branch.add_output_grad(g, row, weights, shared.flags.key, stats.units, stats.channel_first,
                                         stats.unit_sums)  # fmt: skip
         else:
             count = shared.sampled_count

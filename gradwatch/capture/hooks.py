@@ -31,7 +31,7 @@ class HookSet:
     def __init__(self, model: nn.Module, layers: list[LayerSpec], taps: list["OutputTap"]) -> None:
         self._handles: list[RemovableHandle] = []
         for index, targets in output_aliases(layers).items():
-            taps[index].also = tuple(taps[t] for t in targets)
+            taps[index].alias_taps = tuple(taps[t] for t in targets)
         compiled.guard_on_hooks()
         self._guarding = True
         for layer, tap in zip(layers, taps):

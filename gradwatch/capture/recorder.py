@@ -64,8 +64,8 @@ class Recorder:
         # False: per-unit sums of squares, compared with dead_eps.
         self.project_units = project_units
         self.cells.set_unit_sums(not project_units)
-        self.plan = self.cells.plan
-        self.plan.every_step = bool(self.layout.planned_slots.all())  # detail="full"
+        self.flags = self.cells.flags
+        self.flags.every_step = bool(self.layout.planned_slots.all())  # detail="full"
         self.slot = 0
         #: the update-ratio measurements' rows in the buffer (``update_rows.py``)
         self.update_rows = UpdateRows(buffer, self.param_stats, flush_every)
@@ -112,11 +112,11 @@ class Recorder:
     # ------------------------------------------------------------- controls
     @property
     def active(self) -> bool:
-        return self.plan.active
+        return self.flags.active
 
     @active.setter
     def active(self, value: bool) -> None:
-        self.plan.active = bool(value)
+        self.flags.active = bool(value)
 
     def hook_failed(self, where: str, exc: BaseException) -> None:
         """A hook raised: warn once per layer and kind of error, and keep training going (raised in strict mode
@@ -143,12 +143,12 @@ class Recorder:
         at the same step; a failed row is marked and left out of the window.
         """
         slot = self.slot
-        plan = self.plan
-        sampled = plan.sampling
+        flags = self.flags
+        sampled = flags.sampling
         full = self.layout.is_sampled(slot)
         self._host[STEP_UNSAMPLED][slot] = 0.0 if full else 1.0
         try:
-            if plan.failed:
+            if flags.failed:
                 self._report_tap_failure()
             scale = self._scale_source() if self._scale_source is not None else None
             if scale is not None:
@@ -172,9 +172,9 @@ class Recorder:
                     cells.reset_step()
             self.cells.host.clear()
             self.slot = slot + 1
-            plan.step += 1
-            plan.sampling = self.layout.is_sampled(self.slot)
-            plan.follow_cache_config()
+            flags.step += 1
+            flags.sampling = self.layout.is_sampled(self.slot)
+            flags.follow_cache_config()
 
     def _record_params(self, slot: int, rows: StepRows) -> None:
         """The parameter-gradient statistics into ``rows``; with per-step rows, the forward sums
@@ -186,9 +186,9 @@ class Recorder:
             self.per_step_rows.record(self.param_stats, slot, rows, present, self._moves[0])
 
     def _report_tap_failure(self) -> None:
-        if not self.plan.failed:
+        if not self.flags.failed:
             return
-        self.plan.failed = False
+        self.flags.failed = False
         for tap in self.cells.taps:
             if tap.failure is not None:
                 self.hook_failed(tap.name, tap.failure)
@@ -199,7 +199,7 @@ class Recorder:
         for cells in self.cells.devices:
             cells.reset_window()
         self.cells.host.clear()
-        self.plan.step += 1  # the taps' next calls are their first since the cells were zeroed
+        self.flags.step += 1  # the taps' next calls are their first since the cells were zeroed
 
     def mark_window_failed(self) -> None:
         """Mark every step of the window as failed (a failure before the flush's collective)."""
@@ -231,7 +231,7 @@ class Recorder:
         self.update_rows.start_window()
         self.slot = 0
         self.layout.start_window()
-        self.plan.sampling = True
+        self.flags.sampling = True
 
     def follow_output_magnitudes(self, window: Any) -> None:
         """After a flush: reduce each layer's output statistics next window in float32 where this
@@ -264,7 +264,7 @@ class Recorder:
             self._units_window.zero_()
             self.buffer[OUT_GRAD][: self.slot, 2].zero_()  # the samples behind that evidence
         self.layout.sample_from(self.slot)
-        self.plan.sampling = True
+        self.flags.sampling = True
 
     def replace_updates(self, updates: Any) -> None:
         """Measure update_ratio with ``updates`` (another optimizer's hooks) from now on; the old hooks are removed."""
@@ -275,8 +275,8 @@ class Recorder:
     def drop_references(self) -> None:
         """Forget the model (close()): the taps stop, the optimizer hooks go, the parameters are dropped."""
         self.replace_updates(None)
-        self.plan.close()
-        self.plan.cache_configs = []
+        self.flags.close()
+        self.flags.cache_configs = []
         self.discard_pending()
         self.param_stats.drop_references()
 

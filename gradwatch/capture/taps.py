@@ -177,7 +177,7 @@ class OutputTap:
         self.forward_sum = forward_sum
         # The same cell as a 0-d tensor: the out= of a one-op sum (eager; see _check_forward).
         self.step_sum = forward_sum.data.view(())
-        # plan.step at this tap's latest forward check, forward order and output statistics (eager)
+        # flags.step at this tap's latest forward check, forward order and output statistics (eager)
         self.checked_at = self.ordered_at = self.stats_at = -1
         #: [first call | output elements | output statistics]: what compiled code reads, sliced at
         #: offsets equal across layers (one tensor guard, see ``cells.py``)
@@ -192,15 +192,15 @@ class OutputTap:
         #: float32, ``registry.outputs.float32_is_exact``); compiled code always does (fused casts)
         self.exact_outputs = True
         # Taps that record the same output too (MultiheadAttention's out_proj): set by HookSet.
-        self.also: tuple["OutputTap", ...] = ()
+        self.alias_taps: tuple["OutputTap", ...] = ()
         self.failure: BaseException | None = None  # the latest failure inside this tap, until step()
         #: compiled code with the KV cache on met an output it cannot hand through the gradient tap
         self.grad_left_out = False
 
     @property
-    def plan(self) -> RecordingFlags:
-        """The monitor's recording flags (``shared.plan``; compiled code reads them through ``shared``)."""
-        return self.shared.plan
+    def flags(self) -> RecordingFlags:
+        """The monitor's recording flags (``shared.flags``; compiled code reads them through ``shared``)."""
+        return self.shared.flags
 
     def on_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """The tensor hook on the layer's output: its gradient's statistics (``grad_tap.py``);
@@ -214,12 +214,12 @@ class OutputTap:
         model's KV cache on, the output with a copy that carries the gradient tap (see
         ``capture/grad_passthrough.py``). Dynamo traces this at every layer call it compiles (and again
         after every graph break before it), so its traced path reads no property and builds no tuple."""
-        if not self.shared.plan.active:
+        if not self.shared.flags.active:
             return None
         try:
             if torch.is_grad_enabled():
                 return self._record_outputs(output)
-            elif not torch.compiler.is_compiling() and self.plan.sampling and _compat.in_reentrant_checkpoint():
+            elif not torch.compiler.is_compiling() and self.flags.sampling and _compat.in_reentrant_checkpoint():
                 # Reentrant activation checkpointing runs its blocks' first forward without grad:
                 # that call marks the forward order, nothing else; their recomputation inside
                 # backward, with grad, records the rest but not the order. (Other calls without
@@ -233,7 +233,7 @@ class OutputTap:
         first = output if isinstance(output, torch.Tensor) else next(iter(grad_tensors(output)), None)
         if first is None or first.device != self.forward_sum.device:
             return
-        for tap in (self, *self.also):
+        for tap in (self, *self.alias_taps):
             tap._mark_order()
 
     def _mark_order(self) -> None:
@@ -244,7 +244,7 @@ class OutputTap:
         if not shared.host_order:
             advance_clock(self.first_call, shared.clock, shared.clock_tick)
             return
-        step = shared.plan.step
+        step = shared.flags.step
         if self.ordered_at != step:
             self.ordered_at = step
             self.first_call.clamp_min_(shared.clock)
@@ -261,21 +261,21 @@ class OutputTap:
                 return None
             first, extras = tensors[0], tensors[1:]
         self.record_output(first)
-        for tap in self.also:
+        for tap in self.alias_taps:
             tap.record_output(first)
         for extra in extras:  # e.g. an RNN's h_n: an output with the same units, when it has them
             if extra.ndim and self.grad_stats.judged(extra):
                 self.record_output(extra)
-        if self.shared.plan.grads_through_function and first.requires_grad and torch.compiler.is_compiling():
+        if self.shared.flags.grads_through_function and first.requires_grad and torch.compiler.is_compiling():
             if can_pass_through(output, first):
-                return pass_through(output, first, (self, *self.also))
+                return pass_through(output, first, (self, *self.alias_taps))
             self.grad_left_out = True  # said at the flush (ModelWatch.check_grads_left_out)
         return None
 
     def failed(self, exc: BaseException) -> None:
         """Keep the failure for step() to report (the failure path only: nothing here is traced)."""
         self.failure = exc
-        self.plan.failed = True
+        self.flags.failed = True
 
     def record_output(self, out: torch.Tensor) -> None:
         """Fold one output into this step's cells (and, on sampled steps, watch its gradient)."""
@@ -287,17 +287,17 @@ class OutputTap:
         if torch.compiler.is_compiling():
             self._record_output_traced(out)
             return
-        plan = self.plan
-        sampling = plan.sampling
+        flags = self.flags
+        sampling = flags.sampling
         _set_grad_enabled(False)
         try:
             # A DTensor output (SequenceParallel keeps one): this rank's piece (mesh.py combines them).
-            self._check_forward(local_tensor(out), plan)
+            self._check_forward(local_tensor(out), flags)
             if sampling:
                 if not _compat.in_backward():  # a recomputation inside backward is not forward order
                     self._mark_order()
                 if self.records_outputs:  # the declared output statistics (registry/outputs.py)
-                    self._record_output_stats(local_tensor(out), plan.step)
+                    self._record_output_stats(local_tensor(out), flags.step)
         finally:
             _set_grad_enabled(True)  # the tap runs only with grad enabled
         if sampling and out.requires_grad:
@@ -325,14 +325,14 @@ class OutputTap:
         cells = self.forward_cells  # [first call | output elements | output statistics]
         with torch.no_grad():
             self.forward_sum.add_(_forward_sum(local))
-            if shared.plan.every_step:
+            if shared.flags.every_step:
                 add_recorded_output(local, cells, shared.clock, shared.clock_tick, self.records_outputs)
             elif host_branch.IN_USE:
-                host_branch.mark_output(local, cells, shared.clock, shared.clock_tick, shared.plan.key,
+                host_branch.mark_output(local, cells, shared.clock, shared.clock_tick, shared.flags.key,
                                         self.records_outputs)  # fmt: skip
             else:
                 self._record_output_masked(local, cells)
-        if out.requires_grad and not shared.plan.grads_through_function:
+        if out.requires_grad and not shared.flags.grads_through_function:
             out.register_hook(self.on_output_grad)
 
     def _record_output_masked(self, local: torch.Tensor, cells: torch.Tensor) -> None:
@@ -351,13 +351,13 @@ class OutputTap:
             cells[2:].add_(values)
             cells[1:2].add_(count * local.numel())
 
-    def _check_forward(self, out: torch.Tensor, plan: RecordingFlags) -> None:
+    def _check_forward(self, out: torch.Tensor, flags: RecordingFlags) -> None:
         """Add the output's sum to the step's cell (eager): one op at a layer's first call of a step (a
         sum written straight into the cell, which the step's copy zeroed: the output is non-finite
         exactly when the sum is, or when it overflows float32, as alarming), two for the calls after
         it (compiled code: a sum and an add, which the compiler fuses; ``_record_output_traced``)."""
-        if self.checked_at != plan.step:
-            self.checked_at = plan.step
+        if self.checked_at != flags.step:
+            self.checked_at = flags.step
             torch.sum(out, dim=None, dtype=torch.float32, out=self.step_sum)
         else:
             self.step_sum.add_(out.sum(dtype=torch.float32))
