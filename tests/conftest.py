@@ -112,6 +112,17 @@ def param_path(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["cpu-path", "device-agnostic"])
+def gloo_param_path(request, monkeypatch):
+    """``param_path`` for the ranks of a ``gloo`` test: each rank process takes this path (read by
+    ``tests/gloo_worker.py`` from the environment), so that DDP and the pipeline's union layout run
+    the path GPU users get on every commit."""
+    from .gloo_worker import PARAM_PATH_VARIABLE
+
+    monkeypatch.setenv(PARAM_PATH_VARIABLE, request.param)
+    return request.param
+
+
 class TwoBranch(nn.Module):
     """A model whose forward calls one layer twice and uses keyword arguments."""
 

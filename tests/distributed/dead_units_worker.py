@@ -34,7 +34,7 @@ def body(rank: int, world: int, mode: str) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     monitor = GradMonitor(model, flush_every=FLUSH_EVERY, optimizer=opt)
     batches = torch.Generator().manual_seed(rank + 1)
-    windows, fired = [], torch.zeros(64)
+    windows, fired, norms = [], torch.zeros(64), []
     for step in range(STEPS):
         x = torch.randn(32, 16, generator=batches)
         if mode == "disagree" and rank == 1 and step < 2:
@@ -42,6 +42,9 @@ def body(rank: int, world: int, mode: str) -> dict:
         with torch.no_grad():
             fired += (model[0](x) > 0).any(0).float()  # a ReLU unit passes gradient where it fires
         ddp(x).sum().backward()
+        # the test's own per-layer norms of DDP's averaged gradients (the same on every rank)
+        norms.append({name: float(sum(p.grad.double().square().sum() for p in model.get_submodule(name).parameters()))
+                      ** 0.5 for name in ("0", "2")})  # fmt: skip
         monitor.step()
         opt.step()
         opt.zero_grad()
@@ -51,10 +54,14 @@ def body(rank: int, world: int, mode: str) -> dict:
             layer = w.layers.index("0")
             windows.append({"sampled": w.sampled.tolist(), "dead_fraction": float(w.dead_fraction[layer]),
                             "own_dead_fraction": float((fired == 0).float().mean()),
-                            "out_grad_norm": [None if v != v else float(v) for v in w.out_grad_norm[:, layer]]})  # fmt: skip
+                            "out_grad_norm": [None if v != v else float(v) for v in w.out_grad_norm[:, layer]],
+                            "grad_norm": {name: [float(v) for v in w.grad_norm[:, w.layers.index(name)]] for name in ("0", "2")},
+                            "own_grad_norm": norms[-FLUSH_EVERY:]})  # fmt: skip
             fired.zero_()
+    per_step_rows = monitor._recorder.per_step_rows is not None
     monitor.close()
-    return {"alerts": [[a.kind, a.layer, a.step, a.value] for a in monitor.alerts], "windows": windows}
+    return {"alerts": [[a.kind, a.layer, a.step, a.value] for a in monitor.alerts], "windows": windows,
+            "per_step_rows": per_step_rows}
 
 
 class _TwoGates(nn.Module):

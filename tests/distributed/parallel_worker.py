@@ -334,10 +334,12 @@ def body(rank: int, world: int, mode: str, logdir: str | None = None) -> dict:
         opt.zero_grad()
         if (step + 1) % FLUSH_EVERY == 0:
             windows.append({"alive": refs.take_window()})
+    per_step_rows = monitor._recorder.per_step_rows is not None
     monitor.close()
     dist.barrier()
     return {
         "rank": rank,
+        "per_step_rows": per_step_rows,
         "tp_rank": tp_rank,
         "replica": replica,
         "layers": list(named),

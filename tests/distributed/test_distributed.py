@@ -72,7 +72,8 @@ def test_the_same_layer_name_with_different_shapes_falls_back_to_local_statistic
     assert ranks[0]["windows"][0]["dead_fraction"]["gate"] == 0.5
 
 
-def test_a_failure_on_one_rank_leaves_no_rank_waiting(gloo):
+def test_a_failure_on_one_rank_leaves_no_rank_waiting(gloo, gloo_param_path):
+    # (on both parameter paths: on the accelerators', the failed step's per-step row is left out too)
     ranks = gloo("tests.distributed.conditional_worker:body", 2, "fail")
     # step 4 failed on rank 1: both ranks drop that step, keep the others and stay in sync
     for r in ranks:
@@ -140,14 +141,21 @@ def test_fsdp2_hybrid_2x2_mesh_counts_each_shard_once(gloo):
         _check_update_ratio(result)
 
 
-def test_data_parallel_ranks_confirm_dead_units_inside_their_own_window(gloo):
+def test_data_parallel_ranks_confirm_dead_units_inside_their_own_window(gloo, gloo_param_path):
     # Every rank sees the dead units on the first sampled steps and records the rest of the window
-    # in full: its own flush confirms them (not the next window's), as in a single process.
+    # in full: its own flush confirms them (not the next window's), as in a single process. On both
+    # parameter paths: the accelerators' keeps each step's norms in per-step rows, copied into the
+    # buffer before the flush's collectives (which must not add up DDP's replicated gradients).
     for rank in gloo("tests.distributed.dead_units_worker:body", 2, "agree"):
+        assert rank["per_step_rows"] == (gloo_param_path == "device-agnostic")
         first = rank["windows"][0]
         assert all(first["sampled"]) and first["own_dead_fraction"] == 0.75
         assert [(kind, layer, step) for kind, layer, step, _ in rank["alerts"]] == [("dead_units", "0", 24)]
         assert rank["alerts"][0][3] == first["own_dead_fraction"]
+        for window in rank["windows"]:
+            for name in ("0", "2"):
+                own = [step[name] for step in window["own_grad_norm"]]
+                assert window["grad_norm"][name] == pytest.approx(own, rel=1e-6), name
 
 
 def test_ranks_that_disagree_on_a_confirmation_confirm_nothing_until_they_agree(gloo):
