@@ -20,6 +20,7 @@ import torch
 import torch._dynamo
 from torch import nn
 
+import gradwatch.capture.param_stats
 from gradwatch import GradMonitor, HealthConfig
 
 from ..reference import RetainedOutputs, own_grad_norm
@@ -86,6 +87,8 @@ def _train_both(mode: str, steps: int, detail: str, backend: str = BACKEND, flus
     model = Net()
     twin = copy.deepcopy(model)  # before attaching: no gradwatch hook on the twin
     monitor = GradMonitor(model, flush_every=flush_every or steps, detail=detail)
+    # the parameter path the test asked for (per-step rows: the accelerators' path)
+    assert (monitor._recorder.per_step_rows is None) == gradwatch.capture.param_stats.CPU_FAST_PATH
     run = _compiled(model, mode, backend)
     retained = RetainedOutputs(twin, LAYERS)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin)]
@@ -126,8 +129,13 @@ def _reference(twin: nn.Module, retained: RetainedOutputs) -> dict[str, dict[str
     return out
 
 
-@pytest.mark.parametrize("mode", ["default", "fullgraph", "regional"])
-def test_every_statistic_inside_compiled_code_equals_the_eager_twin(mode):
+@pytest.mark.parametrize("mode", ["default", "fullgraph", "regional", "fullgraph-device-path"])
+def test_every_statistic_inside_compiled_code_equals_the_eager_twin(mode, monkeypatch):
+    if mode == "fullgraph-device-path":  # the accelerators' parameter path (per-step rows), on CPU tensors
+        import gradwatch.capture.param_stats as param_stats
+
+        monkeypatch.setattr(param_stats, "CPU_FAST_PATH", False)
+        mode = "fullgraph"
     w, expected = _train_both(mode, steps=3, detail="full")
     assert w.layers == LAYERS
     alive = {name: np.zeros_like(expected[0][name]["alive"]) for name in LAYERS}
@@ -323,7 +331,7 @@ class _Poisoned(nn.Module):
         return self.out(h)
 
 
-def test_dead_layer_and_nan_origin_under_fullgraph(caplog):
+def test_dead_layer_and_nan_origin_under_fullgraph(caplog, param_path):
     torch.manual_seed(0)
     model = _Poisoned()
     monitor = GradMonitor(model, flush_every=10, config=HealthConfig(stop_on=frozenset()))
@@ -337,6 +345,7 @@ def test_dead_layer_and_nan_origin_under_fullgraph(caplog):
             run(x).square().mean().backward()
             monitor.step()
             opt.zero_grad()  # no update: the NaN stays a forward NaN of "mid" (the weights stay finite)
+    assert (monitor._recorder.per_step_rows is not None) == (param_path == "device-agnostic")
     monitor.close()
     kinds = {(a.kind, a.layer) for a in monitor.alerts}
     assert ("dead_units", "hidden") in kinds
