@@ -117,10 +117,12 @@ def gradwatch_contender(flush_every: int, with_optimizer: bool = False, detail: 
             return self._own_time + running
 
         def after_backward(self):
-            self.monitor.step()
-            self.buffer_bytes = max(self.buffer_bytes, self.monitor.buffer_bytes)
+            self.monitor.step()  # nothing else: what a user's loop calls (buffer_bytes is read at close)
 
         def close(self):
+            # the largest the device memory got (the read-back's ring may have grown): read once,
+            # outside the timed steps (a property summing ~10 tensors' sizes, 10-30 us in context)
+            self.buffer_bytes = max(self.buffer_bytes, self.monitor.buffer_bytes)
             self.monitor.close()
             shutil.rmtree(self.logdir, ignore_errors=True)
             window = self.monitor.last_window

@@ -63,8 +63,8 @@ def measure(workload, contender_types, rounds: int, warmup: int, device: torch.d
     finally:
         gc.enable()
     for c in contenders:
+        c.close()  # (a gradwatch contender reads its device memory there, outside the timed steps)
         results[c.name].buffer_bytes = getattr(c, "buffer_bytes", None)
-        c.close()
         results[c.name].report = dict(getattr(c, "report", {}))
     return [results[c.name] for c in contenders]
 
