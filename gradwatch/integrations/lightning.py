@@ -99,9 +99,9 @@ class GradWatch(*_callback_bases()):  # type: ignore[misc]
         optimizers = list(trainer.optimizers or [None])
         layer_sets = self._layers_per_optimizer(pl_module, optimizers)
         if logdir is not None and len(optimizers) > 1:  # one writer of our own for every monitor
-            from torch.utils.tensorboard import SummaryWriter
+            from ..sinks.event_writer import summary_writer
 
-            writer = self._own_writer = SummaryWriter(log_dir=logdir, max_queue=1000, flush_secs=30)
+            writer = self._own_writer = summary_writer(logdir)
             logdir = None
         kept = [(opt, include) for opt, include in zip(optimizers, layer_sets) if include or len(optimizers) == 1]
 

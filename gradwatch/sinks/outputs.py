@@ -63,12 +63,9 @@ class Outputs:
             return
 
         def open_writer() -> TensorBoardSink:
-            from torch.utils.tensorboard import SummaryWriter
+            from .event_writer import summary_writer
 
-            # A deep queue so that a flush's events never wait for the writer thread;
-            # flush_secs bounds how stale the files on disk can be.
-            writer = SummaryWriter(log_dir=self._logdir, max_queue=1000, flush_secs=30)
-            return self._sink(writer, owns_writer=True)
+            return self._sink(summary_writer(self._logdir), owns_writer=True)
 
         self.tensorboard = self._failures.guarded("opening the TensorBoard writer", open_writer)
 
