@@ -10,7 +10,8 @@ A flush runs on the training thread at every ``flush_every``-th ``step()``: it r
 accelerator step (5 ms) a 10 ms flush is 4% of a 50-step window, and the device waits for it.
 Each part is timed in real training steps by wrapping the object that owns it; medians over the
 windows after the first (which imports and lays things out). Host work only: this does not
-depend on the device beyond the read's copy.
+depend on the device beyond the read's copy. Last line: what the flush leaves to the writer's
+thread, paid by the optimizer step after it (TensorBoard's record checksums: twenty-ninth session).
 """
 
 from __future__ import annotations
@@ -79,13 +80,16 @@ def measure(workload, windows: int, flush_every: int = 50, device: torch.device 
             _timed(rule, label, f"  {type(rule).__name__}", parts)
         _timed(pipeline.outputs, "write", "write (TensorBoard)", parts)
         steps: list[tuple[int, float]] = []
+        optimizer_steps: list[tuple[int, float]] = []
         for step in range((windows + 1) * flush_every):
             workload.loss(model(x), y).backward()
             start = time.perf_counter()
             monitor.step()
-            steps.append((step % flush_every, (time.perf_counter() - start) * 1e3))
+            middle = time.perf_counter()
             opt.step()
             opt.zero_grad()
+            steps.append((step % flush_every, (middle - start) * 1e3))
+            optimizer_steps.append((step % flush_every, (time.perf_counter() - middle) * 1e3))
         layers = len(monitor.layers)
         result = {label: statistics.median(values[1:]) for label, values in parts.items() if len(values) > 1}
         monitor.close()  # its last flush is not timed
@@ -94,6 +98,13 @@ def measure(workload, windows: int, flush_every: int = 50, device: torch.device 
     result["flush step()"] = statistics.median(t for slot, t in warm if slot == flush_every - 1)
     result["unsampled step()"] = statistics.median(t for slot, t in warm
                                                    if not sampled[slot] and slot != flush_every - 1)  # fmt: skip
+    # What the flush leaves running: the writer's thread (TensorBoard's checksums, in Python unless
+    # gradwatch's writer does them in C: sinks/event_writer.py) holds the GIL while the training
+    # thread runs the optimizer step that follows. Not part of the flush's own call above.
+    warm_opt = optimizer_steps[flush_every:]
+    result["optimizer step after it, extra"] = statistics.median(
+        t for slot, t in warm_opt if slot == flush_every - 1) - statistics.median(
+        t for slot, t in warm_opt if not sampled[slot] and slot != flush_every - 1)  # fmt: skip
     return {"layers": layers, "ms": result}
 
 
