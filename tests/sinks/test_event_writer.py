@@ -75,3 +75,19 @@ def test_a_monitor_s_own_writer_checksums_in_c_and_a_user_s_writer_is_left_alone
     own.close()
     theirs.close()
     users.close()
+
+
+def test_the_helper_gives_a_lightning_logger_s_writer_the_same_checksums(tmp_path):
+    # the reference's example: checksum_in_c(trainer.logger.experiment) with Lightning's TensorBoardLogger
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    from gradwatch.sinks.event_writer import checksum_in_c
+
+    loggers = pytest.importorskip("lightning.pytorch.loggers")
+    writer = loggers.TensorBoardLogger(str(tmp_path)).experiment
+    assert checksum_in_c(writer)
+    writer.add_scalar("loss", 1.5, 0)
+    writer.close()
+    records = [r for path in _event_files(str(tmp_path)) for r in _records(path)]
+    assert len(records) == 2
+    assert all(hc == masked_crc32c(h) and dc == masked_crc32c(d) for h, hc, d, dc in records)
