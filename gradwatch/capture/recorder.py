@@ -81,21 +81,8 @@ class Recorder:
                        for cells in self.cells.devices]  # fmt: skip
         self._host_moves = HostCellMoves(self.layout, self.cells.host, numpy_rows=self.param_stats.counts_every_step)
         # Unsampled steps leave max |g| (and, on accelerators, the non-finite count) out.
-        staged = self.per_step_rows
-        sq_rows = staged.sq_rows if staged is not None else [buffer.row(PARAM_SQ, t) for t in range(flush_every)]
-        sq_host = None if staged is not None else buffer.host_view(PARAM_SQ)  # CPU buffers: numpy views made once
-
-        def rows(sampled: np.ndarray) -> list[StepRows]:
-            return [
-                StepRows(sq_rows[t], buffer.row(PARAM_MAX, t) if sampled[t] else None,
-                         buffer.row(PARAM_NONFINITE, t), count=bool(sampled[t]),
-                         sq_host=None if sq_host is None else sq_host[t],
-                         norms_allowed=staged is not None)
-                for t in range(flush_every)
-            ]  # fmt: skip
-
-        self._param_rows = rows(self.layout.planned_slots)
-        self._full_rows = rows(np.ones(flush_every, dtype=bool))  # a window of every statistic at every step
+        self._param_rows = _step_rows(buffer, self.per_step_rows, self.layout.planned_slots)
+        self._full_rows = _step_rows(buffer, self.per_step_rows, np.ones(flush_every, dtype=bool))  # every statistic
 
     @property
     def update_steps(self) -> list[int]:
@@ -291,6 +278,21 @@ def _per_step_rows(layout: Layout, param_stats: ParamStats, cells: Cells) -> Per
     if layout.host_path or param_stats.sharded or not whole:
         return None
     return PerStepRows(buffer, layout.flush_every, param_stats.n_params, len(layout.names))
+
+
+def _step_rows(buffer: Any, staged: PerStepRows | None, sampled: np.ndarray) -> list[StepRows]:
+    """Each step's rows of the per-tensor states, made once (slicing is an op per call): max |g|
+    only where ``sampled``; the sums of squares in the per-step rows where there are some
+    (``staged``), else in the buffer (on the CPU, with numpy views of them)."""
+    flush_every = len(sampled)
+    sq_rows = staged.sq_rows if staged is not None else [buffer.row(PARAM_SQ, t) for t in range(flush_every)]
+    sq_host = None if staged is not None else buffer.host_view(PARAM_SQ)  # CPU buffers: numpy views made once
+    return [
+        StepRows(sq_rows[t], buffer.row(PARAM_MAX, t) if sampled[t] else None,
+                 buffer.row(PARAM_NONFINITE, t), count=bool(sampled[t]),
+                 sq_host=None if sq_host is None else sq_host[t], norms_allowed=staged is not None)
+        for t in range(flush_every)
+    ]  # fmt: skip
 
 
 class _CellMoves:
