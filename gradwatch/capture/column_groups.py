@@ -128,7 +128,7 @@ class ColumnGroups:
         slots' ``found_tiny``) or grew out of it (``tiny.grown``) change strategy at the next step."""
         if key[2] == TINY:
             moved, tiny.grown = tiny.grown, []
-        elif key[0].type == "cpu" and self.cpu_fast and key[1] in _SLOT_DTYPES:  # the groups the slots check
+        elif slot_checked(key, self.cpu_fast):
             moved, self.slots.found_tiny = self.slots.found_tiny, []
         else:
             return

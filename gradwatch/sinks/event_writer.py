@@ -14,11 +14,8 @@ Lightning logger's, ``writer=``) is never touched, and nothing process-wide chan
 
 from __future__ import annotations
 
-import logging
 import struct
 from typing import Any
-
-log = logging.getLogger("gradwatch")
 
 #: TensorBoard's (and TensorFlow's) mask of a record's CRC32C
 _MASK_DELTA = 0xA282EAD8
@@ -43,10 +40,11 @@ def masked_crc32c(data: bytes, crc32c: Any) -> int:
 
 
 def checksum_in_c(writer: Any) -> bool:
-    """Make ``writer`` (a ``SummaryWriter`` gradwatch created) checksum its records with
-    ``google_crc32c``'s C extension. Returns whether it does: False, leaving the writer as it
-    was, without that extension or where the writer is not built as measured (torch's
-    ``FileWriter`` over TensorBoard's ``EventFileWriter`` and ``RecordWriter``)."""
+    """Make ``writer`` (a torch ``SummaryWriter``: the ones gradwatch opens, or a user's who asks
+    for it) checksum its records with ``google_crc32c``'s C extension, into the same bytes.
+    Returns whether it does: False, leaving the writer as it was, without that extension or
+    where the writer is not built as measured (torch's ``FileWriter`` over TensorBoard's
+    ``EventFileWriter`` and ``RecordWriter``)."""
     try:
         import google_crc32c
         from tensorboard.summary.writer.record_writer import RecordWriter

@@ -132,9 +132,7 @@ def _reference(twin: nn.Module, retained: RetainedOutputs) -> dict[str, dict[str
 @pytest.mark.parametrize("mode", ["default", "fullgraph", "regional", "fullgraph-device-path"])
 def test_every_statistic_inside_compiled_code_equals_the_eager_twin(mode, monkeypatch):
     if mode == "fullgraph-device-path":  # the accelerators' parameter path (per-step rows), on CPU tensors
-        import gradwatch.capture.param_stats as param_stats
-
-        monkeypatch.setattr(param_stats, "CPU_FAST_PATH", False)
+        monkeypatch.setattr(gradwatch.capture.param_stats, "CPU_FAST_PATH", False)
         mode = "fullgraph"
     w, expected = _train_both(mode, steps=3, detail="full")
     assert w.layers == LAYERS

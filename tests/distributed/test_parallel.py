@@ -108,13 +108,11 @@ def test_two_pipeline_stages_rank0_writes_every_layer_of_every_stage(gloo, sched
     _check_two_pipeline_stages(gloo("tests.distributed.parallel_worker:body", 2, schedule))
 
 
-def test_two_pipeline_stages_on_the_accelerators_parameter_path(gloo, monkeypatch):
+@pytest.mark.parametrize("gloo_param_path", ["device-agnostic"], indirect=True)
+def test_two_pipeline_stages_on_the_accelerators_parameter_path(gloo, gloo_param_path):
     # The stages hold different layers (the union's layout, reduced over the mesh); on the
     # accelerators' path each stage keeps its steps' norms and forward sums in per-step rows,
     # copied into its buffer before the flush reads it. CPU tensors, so that CI runs it.
-    from tests.gloo_worker import PARAM_PATH_VARIABLE
-
-    monkeypatch.setenv(PARAM_PATH_VARIABLE, "device-agnostic")
     ranks = gloo("tests.distributed.parallel_worker:body", 2, "gpipe")
     assert all(r["per_step_rows"] for r in ranks)
     _check_two_pipeline_stages(ranks)
