@@ -158,8 +158,11 @@ class DeviceCells:
         return self.backward.index_select(0, self.unit_index)
 
     @classmethod
-    def declare(cls, flags: "RecordingFlags", device: torch.device, members: list[int], units: list[int]) -> "DeviceCells":
-        """Zeroed cells on ``device`` for the layers ``members`` (global indices) with ``units`` units each."""
+    def declare(cls, flags: "RecordingFlags", device: torch.device, members: list[int], units: list[int],
+                sums: torch.Tensor | None = None) -> "DeviceCells":  # fmt: skip
+        """Zeroed cells on ``device`` for the layers ``members`` (global indices) with ``units`` units
+        each; ``sums``: the [n] float32 forward sums where they live elsewhere (the recorder's
+        per-step stage, ``per_step_rows.py``), else allocated here."""
         n, dtype = len(members), stat_dtype(device)
         sizes = ROW_COUNTS + np.array(units, dtype=np.int64)
         start = np.cumsum(sizes) - sizes  # each layer's row: its counts, then its units
@@ -169,7 +172,7 @@ class DeviceCells:
         return cls(
             device=device,
             layers=np.array(members, dtype=np.int64),
-            sums=torch.zeros(n, dtype=torch.float32, device=device),
+            sums=torch.zeros(n, dtype=torch.float32, device=device) if sums is None else sums,
             forward=torch.zeros(n, 1 + registry.accumulator_count(), dtype=dtype, device=device),
             backward=torch.zeros(int(sizes.sum()), dtype=dtype, device=device),
             grad_index=torch.as_tensor(grad_index, dtype=torch.int64, device=device),
@@ -199,9 +202,12 @@ class Cells:
     Args:
         layers: the monitored layers.
         unit_count: each layer's declared units (its dead-unit evidence's length).
+        forward_sums: [layers] float32 forward sums on the one device every layer is on, where they
+            must live (the recorder's per-step stage, ``per_step_rows.py``); None: allocated here.
     """
 
-    def __init__(self, layers: list[LayerSpec], unit_count: np.ndarray) -> None:
+    def __init__(self, layers: list[LayerSpec], unit_count: np.ndarray,
+                 forward_sums: torch.Tensor | None = None) -> None:  # fmt: skip
         from . import host_branch  # (it imports this module)
         from .taps import OutputTap, RecordingFlags  # taps.py imports this module
 
@@ -218,7 +224,8 @@ class Cells:
         per_layer: dict[int, tuple[DeviceCells, int, int]] = {}
         for device, members in by_device.items():
             units = [int(unit_count[i]) for i in members]
-            cells = DeviceCells.declare(self.flags, device, members, units)
+            sums = forward_sums if forward_sums is not None and len(members) == self.n_layers else None
+            cells = DeviceCells.declare(self.flags, device, members, units, sums)
             self.devices.append(cells)
             if not host_branch.IN_USE:  # only the masked path reads the sampling flag on the device
                 self.flags.device_flags.append((cells.shared.sampled, cells.shared.sampled_count))

@@ -1,4 +1,5 @@
-"""The values judged at every step, one contiguous device row per step (the accelerators' path).
+"""The values judged at every step, staged in one device row beside the taps' forward sums (the
+accelerators' path).
 
 ``nonfinite`` and the model's ``exploding`` are judged at every step from each tensor's gradient
 sum of squares and each layer's forward sum (``flush/readback.py``). Those live in two states of
@@ -7,31 +8,47 @@ sums are summed over ranks, the replicated gradients' sums are not). Read from t
 paid a ``cat`` of the rows and a copy of the forward sums into theirs before the read-back's
 copy to the host.
 
-Here each step writes both into one row of a device tensor of its own, ``[flush_every, P + L]``:
-the gradient *norms* in its first ``P`` columns (the stack of ``_foreach_norm``, not squared:
-``ForeachStats.reduce``'s ``keep_norms``) and the taps' forward sums after them (copied, then the
-taps' cells zeroed). A step that takes the general path (max |g| on sampled steps, a gradient
-missing, a cast) writes sums of squares there as it writes a buffer row and takes their roots.
-The norms are squared where they are read: on the host by the read-back, which copies the row in
-one op, and at the flush, before anything reduces or reads the buffer, where the window's rows go
-into ``param_sq`` (squared) and ``fwd_sum``, so that everything after the recorder sees the
-buffer it always saw. An unsampled step thus costs five ops beyond the forward check's one per
-layer: the norms, their stack, the forward sums' copy, the zeroing of the taps' cells, the copy
-to the host (it was seven: also the squares, and the read-back's ``cat`` of the two rows).
+Here one small device tensor, the *stage*, holds both, side by side in one storage: the gradient
+*norms* in its first ``P`` values (float64, the stack of ``_foreach_norm``, not squared:
+``ForeachStats.reduce``'s ``keep_norms``) and, right after them, the taps' forward sums
+themselves (float32: ``cells.DeviceCells.sums`` is this part of the stage, so nothing copies them
+in). At the end of every step the stage goes to the host whole, one op, into the step's row of a
+host table of the window (pinned on CUDA; ``non_blocking``). A step that takes the general path
+(max |g| on sampled steps, a gradient missing, a cast) writes sums of squares there as it writes
+a buffer row, and takes their roots.
 
-The forward sums are not stacked with the norms (one op less): the taps sum in float32 and the
-row is float64, and a ``cat`` of mixed dtypes copies each input with a kernel of its own on CUDA
-(``parallel_cat`` takes inputs of the output's dtype only; measured on the CPU: 367 against 110
-us for 387 inputs).
+The forward sums need zeroing for the next step only where some layer may not *write* its cell
+then. An eager check writes at its layer's first call of a step (``sum(..., out=)``) and adds
+after it; compiled code always adds, and a layer not called leaves its cell alone. So the stage
+zeroes them after a step only where some layer's eager check did not write at that step (a host
+count, ``RecordingFlags.forward_writes``). After a step where every one did, the sums stay; a
+layer that does not write at the next step (not called: an idle expert, a branch not taken; or
+run by compiled code for the first time) then carried the last step's sum in its cell, and the
+host takes it out of its row before anyone reads it (:meth:`PerStepRows.forward_row`, and the
+flush): zero exactly for a layer not called.
+
+The host table is the window's record of these values: the read-back reads each step's row there
+(once its copy has landed), and the flush copies the window's rows back into ``param_sq``
+(squared) and ``fwd_sum`` before anything reduces or reads the buffer, so that everything after
+the recorder sees the buffer it always saw. An unsampled step of an eager model thus costs three
+ops beyond the forward check's one per layer: the norms, their stack, the stage's copy to the
+host; four where the sums are zeroed (compiled code). It was five: also a copy of the forward sums
+into a device row per step, kept for the flush, and their zeroing at every step; seven before
+that: also the squares, and the read-back's ``cat`` of two rows.
+
+Norms and sums share a storage of bytes (two dtype views), because a ``cat`` of mixed dtypes
+copies each input with a kernel of its own on CUDA (``parallel_cat`` takes inputs of the output's
+dtype only; measured on the CPU: 367 against 110 us for 387 inputs), and float64 forward sums would
+make every layer's forward check reduce in float64.
 
 Used where the per-step values are not read from host memory (the CPU's own path reads the
-buffer's numpy views) and the parameter columns are not weighted pieces of sharded tensors: every
-layer's cells on the buffer's device, plain tensors.
+buffer's numpy views), the parameter columns are not weighted pieces of sharded tensors, and
+every layer's cells are on the buffer's device: plain tensors.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Callable
 
 import numpy as np
 import torch
@@ -41,49 +58,115 @@ from .buffer import StatBuffer
 
 
 class PerStepRows:
-    """One window's per-step ``[sums of squares | forward sums]`` rows on the buffer's device.
+    """The stage on the buffer's device, and the window's rows of it on the host.
 
     Args:
         buffer: the rank's statistics buffer (its device and dtype; filled at :meth:`into_buffer`).
-        flush_every: steps per window (rows).
+        flush_every: steps per window (host rows).
         params: parameter columns (``P``).
         layers: layers (``L``).
     """
 
     def __init__(self, buffer: StatBuffer, flush_every: int, params: int, layers: int) -> None:
         self.params, self.layers = params, layers
-        self.values = torch.zeros(flush_every, params + layers, dtype=buffer.dtype, device=buffer.device)
-        # Views made once (slicing is an op per call).
-        self.rows = list(self.values.unbind(0))
-        self.sq_rows = [row[:params] for row in self.rows]
-        self.forward_rows = [row[params:] for row in self.rows]
+        device, dtype = buffer.device, buffer.dtype
+        norm_bytes = params * dtype.itemsize
+        width = -(-(norm_bytes + 4 * layers) // dtype.itemsize) * dtype.itemsize  # whole values of either dtype
+        self._norm_bytes = norm_bytes
+        self.stage = torch.zeros(width, dtype=torch.uint8, device=device)
+        #: [P] this step's gradient norms (or, on the general path, sums of squares turned into norms)
+        self.norms = self.stage[:norm_bytes].view(dtype)
+        #: [L] float32: the taps' forward sums of this step (``cells.DeviceCells.sums``)
+        self.forward = self.stage[norm_bytes : norm_bytes + 4 * layers].view(torch.float32)
+        self.pinned = device.type == "cuda"
+        self.host = torch.zeros(flush_every, width, dtype=torch.uint8, pin_memory=self.pinned)
+        # Views made once (slicing is an op per call): each step's row; for the read-back, the
+        # table as [flush_every x P] norms and [flush_every x L] forward sums (numpy).
+        self._host_rows = list(self.host.unbind(0))
+        table = self.host.numpy()
+        self.host_norms = table[:, :norm_bytes].view(np.dtype(torch.empty(0, dtype=dtype).numpy().dtype))
+        self.host_forward = table[:, norm_bytes : norm_bytes + 4 * layers].view(np.float32)
+        #: the forward sums were not zeroed after the last step (every layer wrote its own there)
+        self._kept = False
+        #: slot -> the layers whose cells carried the last step's sum into it (``_settle``)
+        self._carried: dict[int, np.ndarray] = {}
 
-    def record(self, param_stats: Any, slot: int, rows: Any, present: np.ndarray, moves: Any) -> None:
-        """Step ``slot``'s parameter statistics (``param_stats.record`` into ``rows``, whose ``sq`` is
-        this row's start: norms in the common case; the general path's sums of squares become
-        norms) and its forward sums (``moves``: the recorder's ``_CellMoves``, which copies them in
-        and zeroes the taps' cells, whatever happened before)."""
-        try:
-            if not param_stats.record(rows, present):
-                rows.sq.sqrt_()
-        finally:
-            moves.forward_into_row(slot)
+    def record(self, param_stats, rows, present: np.ndarray) -> None:  # type: ignore[no-untyped-def]
+        """This step's parameter statistics (``param_stats.record`` into ``rows``, whose ``sq`` is
+        :attr:`norms`): norms in the common case; the general path's sums of squares become norms."""
+        if not param_stats.record(rows, present):
+            rows.sq.sqrt_()
+
+    def finish(self, slot: int, every_layer_wrote: bool, missing: Callable[[], np.ndarray]) -> None:
+        """The stage into host row ``slot`` (in stream order, not waited for), then the forward sums
+        zeroed for the next step, unless every layer's eager check wrote its sum at this step.
+
+        Args:
+            slot: the step's row.
+            every_layer_wrote: every layer's cell was written (not added to) by an eager check at
+                this step (``RecordingFlags.forward_writes``): then the sums are kept, and a layer
+                that writes again at the next step overwrites its own.
+            missing: [L] bool, the layers no eager check wrote at this step (called only where the
+                last step's sums were kept: those layers' cells still held them).
+        """
+        if self._kept:
+            self._carried_into(slot, missing())
+        self._host_rows[slot].copy_(self.stage, non_blocking=self.pinned)
+        self._kept = every_layer_wrote
+        if not every_layer_wrote:
+            self.forward.zero_()
+
+    def _carried_into(self, slot: int, missing: np.ndarray) -> None:
+        if missing.any():
+            self._carried[slot] = np.flatnonzero(missing)
+
+    def forget(self) -> None:
+        """The cells were zeroed (calls no step() claims, a new window): nothing carries into the next step."""
+        self._kept = False
+
+    def start_window(self) -> None:
+        """A new window: nothing carried (its rows were settled at the flush, :meth:`into_buffer`)."""
+        self._kept = False
+        self._carried.clear()
+
+    def forward_row(self, slot: int) -> np.ndarray:
+        """Step ``slot``'s forward sums as float64 (a copy), once its copy and the last step's have
+        landed on the host. Where the last step's sums were kept and a layer did not write its own
+        at this step (a layer not called, or called by compiled code, which adds), its cell held the
+        last step's sum, which is taken out here (:meth:`_settle`)."""
+        self._settle(slot)
+        return self.host_forward[slot].astype(np.float64)
+
+    def _settle(self, slot: int) -> None:
+        """Subtract what row ``slot`` carried from row ``slot - 1`` (in place, once): exactly zero for
+        a layer not called, its compiled calls' sum for one called there (float32 rounding aside). A
+        carried sum that was not finite leaves nothing to subtract from: the layer reads zero, as a
+        layer not called (compiled code at the step right after a non-finite forward, alone, could
+        hide a non-finite sum of its own at that one step)."""
+        layers = self._carried.pop(slot, None)
+        if layers is None:
+            return
+        carried = self.host_forward[slot - 1, layers].astype(np.float64)
+        row = self.host_forward[slot]
+        row[layers] = np.where(np.isfinite(carried), row[layers] - carried, 0.0)
 
     def into_buffer(self, buffer: StatBuffer, recorded: int) -> None:
-        """Copy the first ``recorded`` steps' rows into ``param_sq`` and ``fwd_sum`` (at a flush;
-        the rows after them stay as the buffer has them: zero)."""
+        """Copy the first ``recorded`` steps' rows into ``param_sq`` (squared) and ``fwd_sum`` (at a
+        flush; the rows after them stay as the buffer has them: zero). On CUDA the host waits for
+        the device first: the last steps' copies to the host may still be in flight, and a flush
+        synchronises anyway."""
         if recorded <= 0:
             return
-        values = self.values[:recorded]
-        buffer[PARAM_SQ][:recorded].copy_(values[:, : self.params]).square_()
-        buffer[FWD_SUM][:recorded].copy_(values[:, self.params :])
-
-    def zero_(self) -> None:
-        """A new window: every row zero, as the buffer's (a column a step does not write, a gradient
-        that was missing, reads zero as before)."""
-        self.values.zero_()
+        if self.pinned:
+            torch.cuda.synchronize(self.stage.device)
+        for slot in sorted(self._carried):
+            self._settle(slot)
+        rows = self.host[:recorded].to(self.stage.device)  # one copy of the window's bytes
+        nb = self._norm_bytes
+        buffer[PARAM_SQ][:recorded].copy_(rows[:, :nb].view(self.norms.dtype)).square_()
+        buffer[FWD_SUM][:recorded].copy_(rows[:, nb : nb + 4 * self.layers].view(torch.float32))
 
     @property
     def nbytes(self) -> int:
-        """Bytes held on the device."""
-        return self.values.numel() * self.values.element_size()
+        """Bytes held on the device besides the forward sums (which the cells count): the norms."""
+        return self.stage.numel() - 4 * self.layers

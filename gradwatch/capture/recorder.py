@@ -59,7 +59,11 @@ class Recorder:
         self.buffer = buffer = self.layout.buffer
         self._dtype = buffer.dtype
         self._host = buffer.host
-        self.cells = Cells(layers, self.layout.unit_count)
+        #: the accelerators' path: each step's gradient norms beside the taps' forward sums in one
+        #: device stage, copied to the host whole at every step (``per_step_rows.py``); None elsewhere
+        self.per_step_rows = _per_step_rows(self.layout, self.param_stats, layers)
+        staged = self.per_step_rows
+        self.cells = Cells(layers, self.layout.unit_count, forward_sums=staged.forward if staged else None)
         # True: dead units by a random projection (exact zero test, dead_eps == 0);
         # False: per-unit sums of squares, compared with dead_eps.
         self.project_units = project_units
@@ -74,9 +78,6 @@ class Recorder:
         self._failures: set[str] = set()
         # Views made once: indexing and slicing are an op each per call.
         self._units_window = buffer[UNIT_ACC]
-        #: the accelerators' path: each step's gradient sums of squares and forward sums in one device
-        #: row (``per_step_rows.py``), which the read-back copies whole; None elsewhere
-        self.per_step_rows = _per_step_rows(self.layout, self.param_stats, self.cells)
         self._moves = [_CellMoves(cells, self.layout, self.param_stats.cpu_fast, self.per_step_rows)
                        for cells in self.cells.devices]  # fmt: skip
         self._host_moves = HostCellMoves(self.layout, self.cells.host, numpy_rows=self.param_stats.counts_every_step)
@@ -154,6 +155,9 @@ class Recorder:
             self._host[STEP_FAILED][slot] = 1
             raise
         finally:
+            if self.per_step_rows is not None:  # to the host, and the forward sums zeroed where needed
+                self.per_step_rows.finish(slot, flags.forward_writes == len(self.cells.taps), self._unwritten)
+            flags.forward_writes = 0
             if sampled:
                 for cells in self.cells.devices:
                     cells.reset_step()
@@ -164,13 +168,18 @@ class Recorder:
             flags.follow_cache_config()
 
     def _record_params(self, slot: int, rows: StepRows) -> None:
-        """The parameter-gradient statistics into ``rows``; with per-step rows, the forward sums
-        into the step's row too (``per_step_rows.py``: the row holds norms at every step)."""
+        """The parameter-gradient statistics into ``rows`` (with per-step rows: norms in the stage,
+        ``per_step_rows.py``)."""
         present = self._host[PARAM_PRESENT][slot]
         if self.per_step_rows is None:
             self.param_stats.record(rows, present)
         else:
-            self.per_step_rows.record(self.param_stats, slot, rows, present, self._moves[0])
+            self.per_step_rows.record(self.param_stats, rows, present)
+
+    def _unwritten(self) -> np.ndarray:
+        """[L] the layers whose eager forward check did not write its cell at this step."""
+        step = self.flags.step
+        return np.array([tap.checked_at != step for tap in self.cells.taps], dtype=bool)
 
     def _report_tap_failure(self) -> None:
         if not self.flags.failed:
@@ -185,7 +194,10 @@ class Recorder:
         """Forget what the taps collected (no step() will claim it)."""
         for cells in self.cells.devices:
             cells.reset_window()
+        if self.per_step_rows is not None:
+            self.per_step_rows.forget()
         self.cells.host.clear()
+        self.flags.forward_writes = 0
         self.flags.step += 1  # the taps' next calls are their first since the cells were zeroed
 
     def mark_window_failed(self) -> None:
@@ -213,7 +225,7 @@ class Recorder:
         """Start an empty window (after a flush)."""
         self.buffer.zero_()
         if self.per_step_rows is not None:
-            self.per_step_rows.zero_()
+            self.per_step_rows.start_window()
         self.discard_pending()
         self.update_rows.start_window()
         self.slot = 0
@@ -268,24 +280,26 @@ class Recorder:
         self.param_stats.drop_references()
 
 
-def _per_step_rows(layout: Layout, param_stats: ParamStats, cells: Cells) -> PerStepRows | None:
+def _per_step_rows(layout: Layout, param_stats: ParamStats, layers: list[LayerSpec]) -> PerStepRows | None:
     """The per-step rows where they apply (``per_step_rows.py``): not where the per-step values are
     read from host memory (the CPU's own path), nor for the weighted columns of sharded tensors,
-    nor for layers on several devices (their forward sums are gathered by index)."""
+    nor for layers on several devices or on another than the buffer's (their forward sums are
+    gathered by index). The cells group layers by their first parameter's device (``Cells``).
+    Only where a copy to the host need not wait (CUDA's pinned memory, or CPU tensors): the stage
+    goes to the host at every step, which on another device (MPS) would be a sync per step."""
     buffer = layout.buffer
-    whole = len(cells.devices) == 1 and cells.devices[0].n == len(layout.names) and \
-        cells.devices[0].sums.device == buffer.device
-    if layout.host_path or param_stats.sharded or not whole:
+    whole = bool(layers) and all(layer.params[0].device == buffer.device for layer in layers)
+    if layout.host_path or param_stats.sharded or not whole or buffer.device.type not in ("cuda", "cpu"):
         return None
     return PerStepRows(buffer, layout.flush_every, param_stats.n_params, len(layout.names))
 
 
 def _step_rows(buffer: Any, staged: PerStepRows | None, sampled: np.ndarray) -> list[StepRows]:
     """Each step's rows of the per-tensor states, made once (slicing is an op per call): max |g|
-    only where ``sampled``; the sums of squares in the per-step rows where there are some
-    (``staged``), else in the buffer (on the CPU, with numpy views of them)."""
+    only where ``sampled``; the sums of squares in the per-step stage where there is one
+    (``staged``: the same tensor at every step), else in the buffer (on the CPU, with numpy views of them)."""
     flush_every = len(sampled)
-    sq_rows = staged.sq_rows if staged is not None else [buffer.row(PARAM_SQ, t) for t in range(flush_every)]
+    sq_rows = [staged.norms] * flush_every if staged is not None else [buffer.row(PARAM_SQ, t) for t in range(flush_every)]
     sq_host = None if staged is not None else buffer.host_view(PARAM_SQ)  # CPU buffers: numpy views made once
     return [
         StepRows(sq_rows[t], buffer.row(PARAM_MAX, t) if sampled[t] else None,
@@ -319,10 +333,9 @@ class _CellMoves:
         on_host = cpu_fast and self.whole and buffer.device.type == "cpu" and cells.sums.device.type == "cpu"
         self.fwd_host = buffer.host_view(FWD_SUM) if on_host else None
         self.sums_host = cells.sums.numpy() if on_host else None
-        self.fwd_rows = [] if on_host else per_step_rows.forward_rows if per_step_rows is not None else \
-            [buffer.row(FWD_SUM, t) for t in range(flush_every)]
-        #: with per-step rows, the forward sums move at ``forward_into_row``, after the parameter statistics
+        #: with per-step rows the forward sums stay where they are: they are the stage's (``per_step_rows.py``)
         self.staged = per_step_rows is not None
+        self.fwd_rows = [] if on_host or self.staged else [buffer.row(FWD_SUM, t) for t in range(flush_every)]
         self.order_rows = [buffer.row(FWD_ORDER, t) for t in range(flush_every)]
         stats = accumulator_count()
         self.stats = cells.outputs if stats else None
@@ -344,8 +357,9 @@ class _CellMoves:
             if self.sums_host is not None:
                 self.fwd_host[slot] = self.sums_host
                 self.sums_host.fill(0.0)
-            elif not self.staged:  # (staged: moved after the parameter statistics, by the per-step rows)
-                self.forward_into_row(slot)
+            elif not self.staged:  # (staged: copied to the host with the norms, and zeroed, by the per-step rows)
+                self.fwd_rows[slot].copy_(self.sums)
+                self.sums.zero_()
             if sampled:
                 self.order_rows[slot].copy_(self.first_calls)
                 torch.index_select(cells.backward, 0, cells.grad_index, out=self.out_flat[slot])
@@ -366,11 +380,6 @@ class _CellMoves:
             units_window.index_add_(0, self.unit_index, units.to(to, non_blocking=True))
             if self.stats is not None:
                 self.stats_rows[slot].index_copy_(0, self.layer_index, self.stats.to(to, non_blocking=True))
-
-    def forward_into_row(self, slot: int) -> None:
-        """The forward sums into row ``slot`` (the buffer's, or the per-step row), then zeroed for the next step."""
-        self.fwd_rows[slot].copy_(self.sums)
-        self.sums.zero_()
 
 
 def _unscale(counts: torch.Tensor, units: torch.Tensor, scale: torch.Tensor | None, scale_units: bool) -> None:

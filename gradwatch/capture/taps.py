@@ -108,6 +108,10 @@ class RecordingFlags:
         #: claim): a tap that last wrote its cells at an earlier count is at its first call since
         #: they were zeroed, and writes instead of adding (eager only; compiled code never reads it).
         self.step = 0
+        #: Eager forward checks that wrote their cell at their layer's first call of this step (a
+        #: host count, zeroed at every step): where every layer's did, no cell holds an older step's
+        #: sum, and the per-step stage can skip zeroing them (``per_step_rows.py``).
+        self.forward_writes = 0
         #: Some tap failed since the last step (its ``failure`` says how); reported at step(), not in the hook.
         self.failed = False
 
@@ -353,11 +357,13 @@ class OutputTap:
 
     def _check_forward(self, out: torch.Tensor, flags: RecordingFlags) -> None:
         """Add the output's sum to the step's cell (eager): one op at a layer's first call of a step (a
-        sum written straight into the cell, which the step's copy zeroed: the output is non-finite
-        exactly when the sum is, or when it overflows float32, as alarming), two for the calls after
-        it (compiled code: a sum and an add, which the compiler fuses; ``_record_output_traced``)."""
+        sum written straight into the cell, over whatever it held: the output is non-finite exactly
+        when the sum is, or when it overflows float32, as alarming; counted in ``forward_writes``),
+        two for the calls after it (compiled code: a sum and an add, which the compiler fuses;
+        ``_record_output_traced``)."""
         if self.checked_at != flags.step:
             self.checked_at = flags.step
+            flags.forward_writes += 1
             torch.sum(out, dim=None, dtype=torch.float32, out=self.step_sum)
         else:
             self.step_sum.add_(out.sum(dtype=torch.float32))

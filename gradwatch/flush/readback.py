@@ -10,8 +10,9 @@ on sampled steps, the forward order) are
 - elsewhere (accelerators, and the device-agnostic path on CPU tensors): copied with
   ``non_blocking=True`` into pinned host memory, with a CUDA event recorded after the copy; a
   later ``step()`` reads the copy once ``event.query()`` says it has landed (the next one, almost
-  always), so nothing waits for the device. The sums of squares and forward sums are one op: the
-  recorder's per-step row (``capture/per_step_rows.py``; else a ``cat`` of the buffer's two rows).
+  always), so nothing waits for the device. The norms and forward sums are already on their way:
+  the recorder copies its per-step stage into the window's host table at every step
+  (``capture/per_step_rows.py``); else a ``cat`` of the buffer's two rows, copied here.
   The non-finite counts and output-gradient sums of squares, recorded on sampled steps only there,
   are one ``cat`` and copy more on those steps; the host reads zeros for them on the others.
 
@@ -67,8 +68,9 @@ class StepReadback:
             (buffer.row(PARAM_SQ, t), buffer.row(FWD_SUM, t), buffer.row(PARAM_NONFINITE, t), buffer.row(OUT_GRAD, t)[0])
             for t in range(layout.flush_every)
         ]  # fmt: skip
-        #: what every step copies: the recorder's per-step rows, where it keeps them
-        self._every_step = per_step_rows.rows if per_step_rows is not None else None  # norms, squared when read
+        #: where every step's norms and forward sums land on the host: the recorder's per-step rows'
+        #: table (it copies them itself), or None: the ring's first half (copied here)
+        self._every_step = per_step_rows
         self._zeros = (np.zeros(p), np.zeros(n))  # what unsampled steps record of the sampled part
         self._order_rows = [buffer.row(FWD_ORDER, t) for t in range(layout.flush_every)]
         present = buffer.host[PARAM_PRESENT]
@@ -120,8 +122,8 @@ class StepReadback:
         k = self._free.pop()
         every_step, sampled_part, order = self._ring[k]
         rows = self._rows[slot]
-        every_step.copy_(self._every_step[slot] if self._every_step is not None else torch.cat(rows[:2]),
-                         non_blocking=self.cuda)  # fmt: skip
+        if self._every_step is None:
+            every_step.copy_(torch.cat(rows[:2]), non_blocking=self.cuda)
         sampled = self.layout.is_sampled(slot)
         if sampled:
             sampled_part.copy_(torch.cat(rows[2:]), non_blocking=self.cuda)
@@ -154,8 +156,9 @@ class StepReadback:
                 p, n = self._p, self._n
                 values = staged[: 2 * (p + n) if sampled else p + n].astype(np.float64)  # a copy: the slot is reused
                 sq, forward = values[:p], values[p : p + n]
-                if self._every_step is not None:
-                    np.square(sq, out=sq)  # the per-step row holds norms
+                if self._every_step is not None:  # the per-step table: norms (squared here) and float32 sums
+                    sq = np.square(self._every_step.host_norms[slot], dtype=np.float64)
+                    forward = self._every_step.forward_row(slot)
                 nonfinite, out_sq = (values[p + n : 2 * p + n], values[2 * p + n :]) if sampled else self._zeros
                 order = order_host.astype(np.float64) if sampled else None
                 self._free.append(k)

@@ -275,9 +275,10 @@ def test_buffer_memory_does_not_grow(param_path):
     # layer, the units, the clock, 3 accumulators per layer, the sampled-step flag as a number; in
     # float32 the forward check's sum per layer and the projection weights (16384); the
     # sampled-step flag as a bool (1 byte); in int64 where the backward values (3 per layer) and
-    # the units (9) are in the layers' backward rows. The accelerators' path keeps each step's sums
-    # of squares and forward sums in a float64 row of its own too (capture/per_step_rows.py).
-    per_step_rows = 8 * 3 * (4 + 2) if param_path == "device-agnostic" else 0
+    # the units (9) are in the layers' backward rows. The accelerators' path stages each step's
+    # gradient norms (float64, 4 tensors) beside the forward sums, which are the cells' (its host
+    # table of the window is host memory; capture/per_step_rows.py).
+    per_step_rows = 8 * 4 if param_path == "device-agnostic" else 0
     assert sizes[0] == (8 * (3 * (4 * 4 + 5 * 2 + 2 + 3 * 2) + 9 + 2) + 8 * (4 * 2 + 9 + 1 + 3 * 2 + 1)
                         + 4 * (2 + 16384) + 1 + 8 * (3 * 2 + 9) + per_step_rows)  # fmt: skip
     monitor.close()

@@ -86,7 +86,9 @@ def _ops_per_step(
 #: (docs/design.md, benchmarks/RESULTS.md). 2026-12-05, third session: the accelerators' path
 #: keeps each step's gradient norms and forward sums in one row (capture/per_step_rows.py), its
 #: unsampled step 5 fixed ops instead of 7: MLP +6.6% -> +6.0%, Transformer +4.3% -> +4.1%.
-_OPS_BUDGET = {"_mlp": 0.065, "_transformer": 0.045}
+#: 2026-12-06: 3 instead of 5 (the forward sums live in the stage beside the norms, and are zeroed
+#: only after a step where some layer did not write its own): MLP +5.4%, Transformer +3.9%.
+_OPS_BUDGET = {"_mlp": 0.055, "_transformer": 0.04}
 
 
 @pytest.mark.parametrize("make", [_mlp, _transformer], ids=["mlp8x512-batch64", "transformer4x256-adam"])
@@ -144,9 +146,10 @@ def test_a_sampled_step_adds_a_few_ops_per_layer_call_to_the_hooks(make, monkeyp
 def test_an_unsampled_step_adds_one_op_per_layer_and_a_fixed_few(make, path, monkeypatch):
     # #30: on a step that is not sampled the default does the forward check (one sum written into
     # its cell per layer) and step()'s few ops for every layer at once: nothing else grows with the
-    # model. On the accelerators' path exactly five (capture/per_step_rows.py): the gradient norms,
-    # their stack into the step's row, the forward sums' copy into it, the zeroing of the taps' sums,
-    # the row's copy to the host for the per-step checks.
+    # model. On the accelerators' path exactly three (capture/per_step_rows.py): the gradient norms,
+    # their stack into the stage beside the taps' forward sums, the stage's copy to the host (the
+    # per-step checks and the window's record). The taps' sums are not zeroed: every layer's eager
+    # check wrote its own at this step.
     import gradwatch.capture.param_stats as param_stats
 
     monkeypatch.setattr(param_stats, "CPU_FAST_PATH", path == "cpu-path")
@@ -172,11 +175,10 @@ def test_an_unsampled_step_adds_one_op_per_layer_and_a_fixed_few(make, path, mon
     monitored, monitored_ops, layers = ops_of_slot(True)
     extra = monitored_ops - plain_ops
     assert extra[torch.ops.aten.sum.IntList_out] == layers  # one sum per layer, written into its cell
-    assert monitored - plain <= layers + 5, [(str(k), v) for k, v in extra.items()]
+    assert monitored - plain <= layers + (3 if path == "accelerators" else 5), [(str(k), v) for k, v in extra.items()]
     if path == "accelerators":
         fixed = {str(op): n for op, n in extra.items() if op != torch.ops.aten.sum.IntList_out and n}
-        assert fixed == {"aten._foreach_norm.Scalar": 1, "aten.stack.out": 1, "aten.zero_.default": 1,
-                         "aten.copy_.default": 2}, fixed  # fmt: skip
+        assert fixed == {"aten._foreach_norm.Scalar": 1, "aten.stack.out": 1, "aten.copy_.default": 1}, fixed
 
 
 @pytest.mark.parametrize(
