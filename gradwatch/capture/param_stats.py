@@ -139,7 +139,7 @@ class ParamStats:
             torch._C._set_grad_enabled(grad_mode)
 
     def _record_whole(self, group: Group, rows: StepRows, present: np.ndarray) -> bool | None:
-        """``_record`` for the common case (``ColumnGroups.whole_group``) on a step without max |g|:
+        """``_record`` for the common case (``ColumnGroups.whole_group``; with max |g| off the CPU's own path):
         the same reduction, called directly; returns whether it left norms (see ``record``). None,
         having written nothing it keeps, where the general path must decide (a gradient missing, a
         cast after attaching, a reduction that raised)."""
@@ -164,7 +164,9 @@ class ParamStats:
         if columns.retier:
             columns.apply_retier()
         whole = columns.whole_group
-        if whole is not None and rows.max is None:
+        # max |g| (sampled steps) on the CPU's own path takes the general loop: its large tensors
+        # have a faster max of their own there (``CpuBlasStats``); elsewhere one foreach kernel does
+        if whole is not None and (rows.max is None or not columns.whole_slots):
             norms = self._record_whole(whole, rows, present)
             if norms is not None:
                 return norms

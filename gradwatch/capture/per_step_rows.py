@@ -90,6 +90,7 @@ class PerStepRows:
         self._kept = False
         #: slot -> the layers whose cells carried the last step's sum into it (``_settle``)
         self._carried: dict[int, np.ndarray] = {}
+        self._whole_window: tuple | None = None  # (buffer, the flush's views of a whole window)
 
     def record(self, param_stats, rows, present: np.ndarray) -> None:  # type: ignore[no-untyped-def]
         """This step's parameter statistics (``param_stats.record`` into ``rows``, whose ``sq`` is
@@ -161,10 +162,20 @@ class PerStepRows:
             torch.cuda.synchronize(self.stage.device)
         for slot in sorted(self._carried):
             self._settle(slot)
-        rows = self.host[:recorded].to(self.stage.device)  # one copy of the window's bytes
-        nb = self._norm_bytes
-        buffer[PARAM_SQ][:recorded].copy_(rows[:, :nb].view(self.norms.dtype)).square_()
-        buffer[FWD_SUM][:recorded].copy_(rows[:, nb : nb + 4 * self.layers].view(torch.float32))
+        norms, forward, sq, fwd = self._flush_views(buffer, recorded)
+        sq.copy_(norms).square_()
+        fwd.copy_(forward)
+
+    def _flush_views(self, buffer: StatBuffer, recorded: int) -> tuple[torch.Tensor, ...]:
+        """(host norms, host forward sums, ``param_sq``, ``fwd_sum``) of the first ``recorded`` steps:
+        made once for a whole window (slicing is an op per call), sliced for a shorter one."""
+        if self._whole_window is None or self._whole_window[0] is not buffer:
+            nb, dtype = self._norm_bytes, self.norms.dtype
+            views = (self.host[:, :nb].view(dtype), self.host[:, nb : nb + 4 * self.layers].view(torch.float32),
+                     buffer[PARAM_SQ], buffer[FWD_SUM])  # fmt: skip
+            self._whole_window = (buffer, views)
+        views = self._whole_window[1]
+        return views if recorded == len(self._host_rows) else tuple(v[:recorded] for v in views)
 
     @property
     def nbytes(self) -> int:
