@@ -11,6 +11,9 @@
 2. Device ops: aten ops per step of the default against an unmonitored step (the MLP and the
    Transformer; #30 asks +5%), and a launch-bound step (MLP 8x64, batch 8): gradwatch's ratio
    beside the default's read floor, and the host time of ``monitor.step()`` on unsampled steps.
+   What the device runs (kernels, memcpys, memsets, by ``torch.profiler``) in one unsampled and
+   one sampled step, against the unmonitored step (``kernel_count.py``): aten ops are not always
+   one launch each.
    The flush's host time by part (``flush_cost.py``; on a device the flush step also waits for
    the queued steps to finish, the one sync of a window).
 3. Overhead: the interleaved ratio (and paired per-round ratio) to an unmonitored copy, steps
@@ -42,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import contenders as C  # noqa: E402
 from benchmarks import flush_cost  # noqa: E402
+from benchmarks import kernel_count  # noqa: E402
 from benchmarks import workloads as W  # noqa: E402
 from benchmarks.harness import (  # noqa: E402
     figure_table,
@@ -156,9 +160,13 @@ def quick_parts(device: torch.device, workloads: dict[str, list], rounds: int) -
             counts[workload.name] = op_table(workload, device)
         return counts
 
+    def device_work() -> dict[str, Any]:  # what the device runs in one sampled and one unsampled step
+        return {workload.name: kernel_count.measure(workload, device) for workload in workloads["ops"]}
+
     return [
         ("no_sync", no_sync),
         ("aten_ops_per_step", ops),
+        ("device_work_per_step", device_work),
         ("launch_bound", lambda: launch_bound(device, rounds=4 * rounds, workload=workloads["launch_bound"])),
         ("flush", lambda: flush_cost.measure(workloads["flush"], windows=3, device=device)),
         ("eager", lambda: overhead_tables(workloads["eager"], QUICK_CONTENDERS, rounds, 10, device)),

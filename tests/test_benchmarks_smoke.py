@@ -148,12 +148,17 @@ def test_gpu_check_quick_runs_every_part_on_the_cpu_and_keeps_the_figures(tmp_pa
     path = tmp_path / "gpu_check.json"
     report = G.main(["--quick", "--device", "cpu", "--tiny", "--rounds", "4", "--json", str(path)])
     written = json.loads(path.read_text())
-    assert set(written["seconds"]) == {"no_sync", "aten_ops_per_step", "launch_bound", "flush", "eager", "compiled"}
+    assert set(written["seconds"]) == {"no_sync", "aten_ops_per_step", "device_work_per_step", "launch_bound", "flush",
+                                       "eager", "compiled"}  # fmt: skip
     assert not [name for name, part in written.items() if isinstance(part, dict) and "error" in part]
     assert all(result.startswith("ok") for result in written["no_sync"].values()) and written["no_sync"]
     ops = written["aten_ops_per_step"]["mlp2x16"]
     assert ops["full"] > ops["standard"] > ops["unmonitored"] > 0
     assert written["launch_bound"]["layers"] == 3 and written["launch_bound"]["step_host_us"] > 0
+    work = written["device_work_per_step"]["mlp2x16"]  # on the CPU: aten ops of the accelerators' path
+    assert work["unit"] == "aten ops" and work["layers"] == 3
+    assert work["unsampled"]["extra"] == 3 + 3  # the forward check per layer and three fixed ops
+    assert work["sampled"]["extra"] > work["unsampled"]["extra"]
     assert set(written["eager"]["mlp2x16"]) == {k.name for k in G.QUICK_CONTENDERS}
     assert report["launch_bound"]["layers"] == 3
     assert written["flush"]["layers"] == 3 and written["flush"]["ms"]["whole flush"] > 0
