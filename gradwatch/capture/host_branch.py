@@ -112,6 +112,9 @@ def _mark_output(output: torch.Tensor, cells: torch.Tensor, clock: torch.Tensor,
     Nothing on the others."""
     if not GATE[flags_key]:
         return
+    flags = _FLAGS.get(flags_key)
+    if flags is not None:
+        flags.compiled_marks += 1  # eager taps after it read the clock on the device (``OutputTap._mark_order``)
     with torch.no_grad():
         add_recorded_output(output, cells, clock, tick, statistics)
 
@@ -173,5 +176,9 @@ def _define_ops() -> "torch.library.Library | None":
 _LIBRARY = _define_ops()  # kept: the registrations live as long as this object
 #: whether compiled taps record their sampled statistics through these ops (else at every step, masked)
 IN_USE = _LIBRARY is not None and _compat.OPS_IN_HOOKS
+#: whether every compiled call that counts the forward clock down tells the host (``mark_output``
+#: counts it in ``RecordingFlags.compiled_marks``): where the ops are in use and the step is not
+#: traced whole (``detail="full"`` records in the graph)
+MARKS_REPORTED = IN_USE
 add_output_grad = _op("add_output_grad") if _LIBRARY is not None else None
 mark_output = _op("mark_output") if _LIBRARY is not None else None

@@ -112,6 +112,10 @@ class RecordingFlags:
         #: host count, zeroed at every step): where every layer's did, no cell holds an older step's
         #: sum, and the per-step stage can skip zeroing them (``per_step_rows.py``).
         self.forward_writes = 0
+        #: Compiled calls that counted the forward clock down at this step, as the opaque op that marks
+        #: them tells the host (``host_branch.mark_output``; zeroed at every step). While none has,
+        #: the clock is at its start, which an eager tap's order can say without a device op.
+        self.compiled_marks = 0
         #: Some tap failed since the last step (its ``failure`` says how); reported at step(), not in the hook.
         self.failed = False
 
@@ -192,6 +196,9 @@ class OutputTap:
         # the output statistics (None: none is declared). Eager taps count the elements on the host.
         self.first_call = forward_cells[0:1]
         self.output_stats = forward_cells[2:] if self.records_outputs else None
+        #: each statistic's 0-d views of them, for a first call that writes them one by one
+        #: (``registry.outputs.write_all``; None: stacked)
+        self.output_cells = registry.outputs.written_cells(self.output_stats) if self.records_outputs else None
         #: eager: reduce the output statistics in float64 (False: the last window's outputs allow
         #: float32, ``registry.outputs.float32_is_exact``); compiled code always does (fused casts)
         self.exact_outputs = True
@@ -243,16 +250,22 @@ class OutputTap:
     def _mark_order(self) -> None:
         """Forward order (eager): at the layer's first call of the step, the device clock (which
         compiled calls count down) and the host's place among the eager calls since the last compiled
-        one (``host_cells.py``); one op. Float32 cells: the clock alone, counted down by every call."""
+        one (``host_cells.py``); one op, none where no compiled call has counted the clock down yet
+        in this step (the host knows: ``RecordingFlags.compiled_marks``; its start is then the
+        clock's value, added on the host). Float32 cells: the clock alone, counted down by every call."""
         shared = self.shared
         if not shared.host_order:
             advance_clock(self.first_call, shared.clock, shared.clock_tick)
             return
-        step = shared.flags.step
-        if self.ordered_at != step:
-            self.ordered_at = step
-            self.first_call.clamp_min_(shared.clock)
-            self.host.order[self.index] = self.host.next_order()
+        flags = shared.flags
+        if self.ordered_at != flags.step:
+            self.ordered_at = flags.step
+            host = self.host
+            if flags.compiled_marks or not host_branch.MARKS_REPORTED or flags.every_step:
+                self.first_call.clamp_min_(shared.clock)  # compiled calls may have moved the clock
+                host.order[self.index] = host.next_order()
+            else:  # no compiled call marked its order before this one: the clock is at its start
+                host.order[self.index] = shared.clock_scale.start + host.next_order()
 
     def _record_outputs(self, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
@@ -313,7 +326,10 @@ class OutputTap:
         stats = self.output_stats
         if self.stats_at != step:
             self.stats_at = step
-            registry.accumulate_all(local, stats.dtype, self.exact_outputs, into=stats)
+            if self.output_cells is not None and registry.outputs.writes_directly(local):
+                registry.outputs.write_all(local, self.exact_outputs, self.output_cells)
+            else:
+                registry.accumulate_all(local, stats.dtype, self.exact_outputs, into=stats)
         else:
             stats.add_(registry.accumulate_all(local, stats.dtype, self.exact_outputs))
         self.host.add(self.host.elements, self.index, local.numel())

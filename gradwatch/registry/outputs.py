@@ -40,6 +40,10 @@ class OutputStatistic:
         description: what the value means, for the docs and ``help()``.
         label: the gradwatch tab's menu label.
         log_scale: drawn on a log axis (magnitudes over decades).
+        write: ``fn(output, exact, cells)``: the same accumulators written straight into ``cells``
+            (0-d views of the cells' dtype, one per accumulator), an op each where it can: an
+            eager tap's first call of a sampled step, off the CPU's own reductions (the
+            accelerators' path: no ``stack`` of the statistics). None: :func:`accumulate_all`'s stack.
     """
 
     name: str
@@ -49,6 +53,7 @@ class OutputStatistic:
     description: str = ""
     label: str = ""
     log_scale: bool = False
+    write: Callable[[torch.Tensor, bool, list[torch.Tensor]], None] | None = None
 
 
 #: A layer whose act_rms stayed within these bounds in a window has its next window's sums of squares
@@ -96,9 +101,25 @@ def _sum_of_squares(out: torch.Tensor, dtype: torch.dtype, exact: bool) -> list[
     return [torch.linalg.vector_norm(out).square()]
 
 
+def _write_sum_of_squares(out: torch.Tensor, exact: bool, cells: list[torch.Tensor]) -> None:
+    # as ``_sum_of_squares`` off the CPU's rows: the norm (in the cells' dtype where exact), squared into its cell
+    (cell,) = cells
+    norm = torch.linalg.vector_norm(out, dtype=cell.dtype) if exact or out.dtype != torch.float32 else \
+        torch.linalg.vector_norm(out)
+    torch.square(norm, out=cell)
+
+
 def _nonzeros(out: torch.Tensor, dtype: torch.dtype, exact: bool) -> list[torch.Tensor]:
     # one op (an int64 count; stack promotes it to the cells' dtype)
     return [torch.count_nonzero(out)]
+
+
+def _write_nonzeros(out: torch.Tensor, exact: bool, cells: list[torch.Tensor]) -> None:
+    # the 0-"norm" counts the elements that are not 0.0 (-0.0 is one; NaN is not), in the cells' dtype,
+    # written into its cell: one op (``count_nonzero`` has no out= of another dtype; on the CPU it is
+    # faster, and the CPU's own path keeps it)
+    (cell,) = cells
+    torch.linalg.vector_norm(out, 0, dtype=cell.dtype, out=cell)
 
 
 def _mean(accumulators: np.ndarray, elements: np.ndarray, root: bool = False) -> np.ndarray:
@@ -115,12 +136,12 @@ OUTPUT_STATISTICS: tuple[OutputStatistic, ...] = (
     OutputStatistic(
         "act_rms", ("sum of squares",), _sum_of_squares, lambda a, n: _mean(a, n, root=True),
         description="root-mean-square of the layer's output over every element of the step's calls",
-        label="activation RMS", log_scale=True,
+        label="activation RMS", log_scale=True, write=_write_sum_of_squares,
     ),
     OutputStatistic(
         "act_zero_fraction", ("non-zero elements",), _nonzeros, _zero_fraction,
         description="fraction of the layer's output elements that are exactly zero over the step's calls",
-        label="activation zero fraction",
+        label="activation zero fraction", write=_write_nonzeros,
     ),
 )
 
@@ -143,6 +164,32 @@ def accumulate_all(out: torch.Tensor, dtype: torch.dtype, exact: bool = True,
     ``into``: written there (``out=``, converted to its dtype: an eager tap's first call of a step)."""
     values = [value for s in OUTPUT_STATISTICS for value in s.accumulate(out, dtype, exact)]
     return torch.stack(values) if into is None else torch.stack(values, out=into)
+
+
+def written_cells(stats: torch.Tensor) -> list[list[torch.Tensor]] | None:
+    """Each statistic's 0-d views of a layer's accumulator cells ``stats`` (made once, by the tap), for
+    :func:`write_all`; None where some statistic has no ``write``."""
+    if not all(s.write is not None for s in OUTPUT_STATISTICS):
+        return None
+    views, start = [], 0
+    for s in OUTPUT_STATISTICS:
+        views.append([stats[start + k] for k in range(len(s.accumulators))])
+        start += len(s.accumulators)
+    return views
+
+
+def writes_directly(out: torch.Tensor) -> bool:
+    """Whether an eager first call writes each statistic into its cells (:func:`write_all`) rather
+    than stacking them: off the CPU's own reductions (the accelerators' path, where each op is a
+    kernel launch; on the CPU ``count_nonzero`` and the float32 rows are faster)."""
+    return not (CPU_ROWS and out.device.type == "cpu")
+
+
+def write_all(out: torch.Tensor, exact: bool, cells: list[list[torch.Tensor]]) -> None:
+    """Every statistic's accumulators of one output written into ``cells`` (:func:`written_cells`):
+    what ``accumulate_all(..., into=)`` writes, without the stack (one op less a layer)."""
+    for s, statistic_cells in zip(OUTPUT_STATISTICS, cells):
+        s.write(out, exact, statistic_cells)  # type: ignore[misc]
 
 
 def decode_all(accumulators: np.ndarray) -> dict[str, np.ndarray]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradwatch import GradMonitor
+from gradwatch import GradMonitor, registry
 
 from ..conftest import TwoBranch, read_scalars
 from ..reference import RetainedOutputs
@@ -531,12 +531,21 @@ def test_a_model_level_explosion_is_returned_at_its_step_and_stop_on_stops_befor
     monitor.close()
 
 
-def test_activation_statistics_equal_a_direct_computation_over_every_call_of_the_step(tmp_path):
+@pytest.mark.parametrize("outputs_path", ["cpu-rows", "written"])
+def test_activation_statistics_equal_a_direct_computation_over_every_call_of_the_step(tmp_path, outputs_path,
+                                                                                      monkeypatch):  # fmt: skip
     # act_rms and act_zero_fraction of each layer's output (registry/outputs.py), against the outputs this
     # test keeps itself: a layer called twice per step (its calls pooled), a layer with units that
     # are exactly zero (weights and bias zeroed), two micro-batches per step; written to TensorBoard
     # under gradwatch/act_rms/<layer> and gradwatch/act_zero_fraction/<layer> at the sampled steps.
+    # Both ways an eager first call takes: the CPU's own reductions stacked into the cells, and each
+    # statistic written into its cells (the accelerators' path, ``registry.outputs.write_all``).
     from ..conftest import read_scalars
+
+    monkeypatch.setattr(registry.outputs, "CPU_ROWS", outputs_path == "cpu-rows")
+    written = []
+    write_all = registry.outputs.write_all
+    monkeypatch.setattr(registry.outputs, "write_all", lambda *a: (written.append(1), write_all(*a))[1])
 
     torch.manual_seed(0)
     shared = nn.Linear(6, 6)
@@ -584,6 +593,7 @@ def test_activation_statistics_equal_a_direct_computation_over_every_call_of_the
                 assert t not in scalars[f"gradwatch/act_rms/{name}"]
     assert expected[0]["head"][1] == pytest.approx(0.75)  # the test means something: 3 of 4 units zero
     assert [t for t in range(27) if w.sampled[t]] == [0, 25]
+    assert bool(written) == (outputs_path == "written")  # the way asked for is the way taken
 
 
 def test_activation_rms_is_reduced_in_float32_only_where_the_last_window_shows_it_exact():

@@ -87,3 +87,24 @@ def test_an_output_statistic_added_as_one_entry_is_accumulated_decoded_and_writt
     # the statistics already declared are unchanged beside it
     rms = w.output_stats["act_rms"]
     assert np.isfinite(rms).all() and not math.isclose(rms[0, 0], w.output_stats["act_mean_added"][0, 0])
+
+
+def test_each_output_statistic_written_into_its_cells_equals_its_stacked_accumulators():
+    # The accelerators' path writes an eager first call's output statistics straight into their cells
+    # (``registry.outputs.write_all``: no stack); the same values as the stacked accumulators, exactly
+    # for the counts: -0.0 is a zero, NaN and Inf are not; float32 windows (exact=False) too.
+    values = torch.randn(4, 33, dtype=torch.float64).float()
+    values[0, :5] = 0.0
+    values[1, :3] = -0.0
+    values[2, 0], values[2, 1], values[3, 0] = float("nan"), float("inf"), -float("inf")
+    finite = values[:2]
+    for out in (values, finite, finite.to(torch.bfloat16)):
+        for exact in (True, False):
+            cells = torch.zeros(outputs.declared_accumulators(), dtype=torch.float64)
+            outputs.write_all(out, exact, outputs.written_cells(cells))
+            stacked = outputs.accumulate_all(out, torch.float64, exact)
+            assert cells[1].item() == stacked[1].item() == float((out != 0).sum())  # non-zero elements
+            expected = float(out.double().square().sum())
+            want = expected if not np.isfinite(expected) else pytest.approx(expected, rel=1e-6)
+            for got in (cells[0].item(), stacked[0].item()):
+                assert (np.isnan(got) and np.isnan(expected)) or got == want
