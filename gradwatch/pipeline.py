@@ -76,15 +76,16 @@ class StepPipeline:
             self._confirm_dead_units_now()
         if recorder.slot >= self.flush_every:
             try:
-                new = new + self.flush(final=False)
+                new = new + self.flush(final=False, after_step=True)
             except GradientHealthError as exc:
                 exc.alerts[:0] = [a for a in new if a.kind in self.config.stop_on]
                 raise
         self._stop_on(new)
         return new
 
-    def flush(self, final: bool) -> list[Alert]:
-        """Read, check, track and write the window so far; returns the new alerts.
+    def flush(self, final: bool, after_step: bool = False) -> list[Alert]:
+        """Read, check, track and write the window so far; returns the new alerts. ``after_step``:
+        called by :meth:`step` right after recording (the taps' cells need no reset: ``Recorder.reset_window``).
 
         Raises:
             GradientHealthError: an alert of a kind in ``config.stop_on``.
@@ -97,7 +98,7 @@ class StepPipeline:
         try:
             window = self.reader.read(steps, self.config.dead_eps, self.scaler is not None and self.scaler.is_enabled())
         finally:
-            recorder.reset_window()
+            recorder.reset_window(after_step=after_step)
             self.units_probe.reset()
             self.judge.fell_silent = None  # the new window's sampled steps see it anyway
             self._fresh_evidence = False

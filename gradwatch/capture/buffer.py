@@ -59,7 +59,9 @@ class StatBuffer:
         self._storage = torch.zeros(0, dtype=self.dtype, device=device)
         self._views: dict[str, torch.Tensor] = {}
         self._rows: dict[str, list[torch.Tensor]] = {}
-        self.host: dict[str, np.ndarray] = {}  # host states, by name
+        self.host: dict[str, np.ndarray] = {}  # host states, by name (views of one array, laid out at freeze)
+        self._host_block = np.zeros(0, dtype=np.int64)
+        self._host_runs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def add_state(self, name: str, shape: tuple[int, ...], reduce: Reduce, host: bool = False) -> None:
         """Declare a state: its shape and its cross-process reduction ("sum", "max" or "none").
@@ -76,18 +78,36 @@ class StatBuffer:
         self._states[name] = _State(name, tuple(int(s) for s in shape), reduce, host)
 
     def freeze(self) -> None:
-        """Lay the declared states out in one flat tensor; the layout never changes afterwards."""
+        """Lay the declared states out in one flat tensor; the layout never changes afterwards.
+
+        By reduction kind; within a kind, the host states last, so that each kind's are one
+        contiguous run: the host keeps them in one array laid out the same (``host`` holds views
+        of it), and a flush copies each run in one op (:meth:`load_host_states`)."""
         offset = 0
+        runs: list[tuple[int, int]] = []  # (offset, numel) of each kind's host states
         for kind in _ORDER:
-            for state in self._states.values():
-                if state.reduce == kind:
-                    state.offset = offset
-                    offset += state.numel
+            members = [s for s in self._states.values() if s.reduce == kind]
+            for state in sorted(members, key=lambda s: s.host):  # stable: declaration order otherwise
+                state.offset = offset
+                offset += state.numel
+            host_numel = sum(s.numel for s in members if s.host)
+            if host_numel:
+                runs.append((offset - host_numel, host_numel))
         self._storage = torch.zeros(offset, dtype=self.dtype, device=self.device)
         self._views = {
             s.name: self._storage[s.offset : s.offset + s.numel].view(s.shape) for s in self._states.values()
         }
-        self.host = {s.name: np.zeros(s.shape, dtype=np.int64) for s in self._states.values() if s.host}
+        self._host_block = np.zeros(sum(n for _, n in runs), dtype=np.int64)
+        self.host, self._host_runs, start = {}, [], 0
+        for run_offset, numel in runs:
+            block = self._host_block[start : start + numel]
+            # views made once: the run's slots of the flat tensor and the host array they come from
+            self._host_runs.append((self._storage[run_offset : run_offset + numel], torch.from_numpy(block)))
+            for state in self._states.values():
+                if state.host and run_offset <= state.offset < run_offset + numel:
+                    at = start + state.offset - run_offset
+                    self.host[state.name] = self._host_block[at : at + state.numel].reshape(state.shape)
+            start += numel
         self._frozen = True
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -120,9 +140,10 @@ class StatBuffer:
         return self._storage.numel() * self._storage.element_size()
 
     def load_host_states(self) -> None:
-        """Copy the host states into their slots of the flat tensor (at flush time)."""
-        for name, values in self.host.items():
-            self._views[name].copy_(torch.from_numpy(values).to(self.dtype), non_blocking=False)
+        """Copy the host states into their slots of the flat tensor (at flush time): one copy per
+        reduction kind that has some (one in all: they are counts, summed)."""
+        for slots, values in self._host_runs:
+            slots.copy_(values, non_blocking=False)
 
     def reduction_spans(self) -> list[tuple[str, torch.Tensor]]:
         """(reduction kind, flat view) of each kind that ranks combine ("sum", "max"): what
@@ -144,5 +165,4 @@ class StatBuffer:
     def zero_(self) -> None:
         """Reset every state for the next window."""
         self._storage.zero_()
-        for values in self.host.values():
-            values[...] = 0
+        self._host_block[...] = 0

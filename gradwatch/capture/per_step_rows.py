@@ -125,9 +125,11 @@ class PerStepRows:
         """The cells were zeroed (calls no step() claims, a new window): nothing carries into the next step."""
         self._kept = False
 
-    def start_window(self) -> None:
-        """A new window: nothing carried (its rows were settled at the flush, :meth:`into_buffer`)."""
-        self._kept = False
+    def start_window(self, keep_sums: bool = False) -> None:
+        """A new window (its rows were settled at the flush, :meth:`into_buffer`). ``keep_sums``: the
+        cells were not zeroed since the last step's :meth:`finish`, so what it kept carries into the
+        new window's first step, taken out against the table's last row (``slot - 1`` is -1)."""
+        self._kept = self._kept and keep_sums
         self._carried.clear()
 
     def forward_row(self, slot: int) -> np.ndarray:

@@ -221,12 +221,19 @@ class Recorder:
         host = layout.buffer.to_host()
         return build_window(host, steps, layout, self.update_steps, dead_eps, scaler_in_use)
 
-    def reset_window(self) -> None:
-        """Start an empty window (after a flush)."""
+    def reset_window(self, after_step: bool = False) -> None:
+        """Start an empty window (after a flush).
+
+        ``after_step``: the flush came right after :meth:`record_step`, nothing run since (a full
+        window, flushed by ``step()``): the taps' cells are as that step left them (zero, but for
+        forward sums the per-step stage keeps, whose carry it takes out at the next step as within a
+        window), so they are not zeroed again: four ops a window on a device. Else whatever the taps
+        collected since is discarded."""
         self.buffer.zero_()
         if self.per_step_rows is not None:
-            self.per_step_rows.start_window()
-        self.discard_pending()
+            self.per_step_rows.start_window(keep_sums=after_step)
+        if not after_step:
+            self.discard_pending()
         self.update_rows.start_window()
         self.slot = 0
         self.layout.start_window()

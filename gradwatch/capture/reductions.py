@@ -70,8 +70,9 @@ class StepRows:
         return part
 
 
-def nonfinite_counts(grads: list[torch.Tensor], chunk: int = _COUNT_CHUNK) -> torch.Tensor:
-    """Per-tensor number of NaN/Inf elements, as one float32 tensor on the gradients' device.
+def nonfinite_counts(grads: list[torch.Tensor], chunk: int = _COUNT_CHUNK, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-tensor number of NaN/Inf elements, as one float32 tensor on the gradients' device (``out``:
+    counted in its dtype and stacked into it, one op less than a copy).
 
     ``g - g`` is 0 for finite values and NaN for NaN/Inf, and the 0-"norm" counts the
     non-zeros. Gradients larger than ``chunk`` are cut into flat views of at most ``chunk``
@@ -90,7 +91,8 @@ def nonfinite_counts(grads: list[torch.Tensor], chunk: int = _COUNT_CHUNK) -> to
     for end, piece in enumerate(pieces + [None]):  # type: ignore[operator]
         if piece is None or (size + piece.numel() > chunk and end > start):
             batch = pieces[start:end]
-            counts.extend(torch._foreach_norm(torch._foreach_sub(batch, batch), 0))
+            diffs = torch._foreach_sub(batch, batch)
+            counts.extend(torch._foreach_norm(diffs, 0) if out is None else foreach_norm(diffs, 0, out.dtype))
             start, size = end, 0
         if piece is not None:
             size += piece.numel()
@@ -99,7 +101,7 @@ def nonfinite_counts(grads: list[torch.Tensor], chunk: int = _COUNT_CHUNK) -> to
         for owner, count in zip(owners, counts):
             per_tensor[owner].append(count)
         counts = [c[0] if len(c) == 1 else torch.stack(c).sum() for c in per_tensor]
-    return torch.stack(counts).to(torch.float32)
+    return torch.stack(counts).to(torch.float32) if out is None else torch.stack(counts, out=out)
 
 
 class ForeachStats:
@@ -131,7 +133,7 @@ class ForeachStats:
         if not norms:
             rows.sq.square_()
         if rows.count or count:
-            rows.nonfinite.copy_(nonfinite_counts(grads))
+            nonfinite_counts(grads, out=rows.nonfinite)
         if rows.max is not None:
             torch.stack(foreach_norm(grads, _INF, self.acc_dtype), out=rows.max)
         return norms

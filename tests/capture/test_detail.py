@@ -87,8 +87,11 @@ def _ops_per_step(
 #: keeps each step's gradient norms and forward sums in one row (capture/per_step_rows.py), its
 #: unsampled step 5 fixed ops instead of 7: MLP +6.6% -> +6.0%, Transformer +4.3% -> +4.1%.
 #: 2026-12-06: 3 instead of 5 (the forward sums live in the stage beside the norms, and are zeroed
-#: only after a step where some layer did not write its own): MLP +5.4%, Transformer +3.9%.
-_OPS_BUDGET = {"_mlp": 0.055, "_transformer": 0.04}
+#: only after a step where some layer did not write its own): MLP +5.4%, Transformer +3.9%. Then
+#: sampled steps at 2 ops a layer fewer (the eager order mark only after a compiled one; each
+#: output statistic written into its cell) and the flush at 11 ops instead of 34 (one copy of the
+#: host states, the cells not reset again right after a step): MLP +4.99%, Transformer +3.65%.
+_OPS_BUDGET = {"_mlp": 0.05, "_transformer": 0.04}
 
 
 @pytest.mark.parametrize("make", [_mlp, _transformer], ids=["mlp8x512-batch64", "transformer4x256-adam"])

@@ -48,10 +48,11 @@ def test_sums_kept_after_a_step_where_every_layer_wrote_are_taken_out_where_a_la
     # Where every layer's eager check wrote its cell at a step, the stage skips zeroing the cells (one
     # op a step): a layer that writes at the next step overwrites its own. One that does not (not
     # called; or called by compiled code, which adds) carried the last step's sum in its cell, and
-    # the host takes it out of its row. Steps: 2 and 7 leave "mid" out right after steps where every
-    # layer wrote (7: after a NaN batch, whose carried sums are not finite); 4-5 run the model
-    # compiled, 4 right after an eager step, 5 with a NaN batch; 6 eager again. The window's forward
-    # sums and the per-step checks' must be each step's own, as an unmonitored twin computes them.
+    # the host takes it out of its row. Two windows of 8: steps 2, 8 and 13 leave "mid" out right
+    # after steps where every layer wrote (8: the next window's first step, after the flush, which
+    # does not reset the cells again; 13: after a NaN batch, whose carried sums are not finite);
+    # 4-5 run the model compiled, 4 right after an eager step, 5 with a NaN batch. The windows'
+    # forward sums and the per-step checks' must be each step's own, as an unmonitored twin computes them.
     monkeypatch.setattr(param_stats, "CPU_FAST_PATH", False)  # the accelerators' path, on CPU tensors
     torch.manual_seed(0)
     model = _Skips()
@@ -61,20 +62,21 @@ def test_sums_kept_after_a_step_where_every_layer_wrote_are_taken_out_where_a_la
     stage = recorder.per_step_rows
     assert stage is not None
     compiled = torch.compile(model, backend="aot_eager")
-    zeroings = []  # the slots after which the stage zeroed the forward sums
-    finish = stage.finish
-    stage.finish = lambda slot, wrote, missing: (finish(slot, wrote, missing), wrote or zeroings.append(slot))[0]
     flushed = []
     prepare = recorder.prepare_flush
     recorder.prepare_flush = lambda: (prepare(), flushed.append(recorder.buffer[FWD_SUM].clone()))[0]
+    zeroings = []  # the steps after which the stage zeroed the forward sums
+    finish = stage.finish
+    stage.finish = lambda slot, wrote, missing: (finish(slot, wrote, missing),
+                                                 wrote or zeroings.append(8 * len(flushed) + slot))[0]
     per_step = []
     readback = monitor._stages.detection.judge._readback
     ready = readback.ready
     readback.ready = lambda wait=False: [per_step.append((v.slot, v.forward.copy())) or v for v in ready(wait)]
 
-    skipped, nan_steps, compiled_steps = {2, 7}, {5, 6}, {4, 5}
+    skipped, nan_steps, compiled_steps = {2, 8, 13}, {5, 6, 12}, {4, 5}
     expected = []
-    for step in range(8):
+    for step in range(16):
         model.skip = twin.skip = step in skipped
         x = torch.randn(5, 4)
         if step in nan_steps:
@@ -85,15 +87,14 @@ def test_sums_kept_after_a_step_where_every_layer_wrote_are_taken_out_where_a_la
         model.zero_grad(set_to_none=True)
     monitor.close()
 
-    # zeroed after the steps where some layer did not write: 2 (mid), 4 and 5 (compiled), 7 (mid)
-    assert zeroings == [2, 4, 5, 7], zeroings
-    window = flushed[0].numpy()
-    judged = dict(per_step)
-    assert sorted(judged) == list(range(8))
-    for step in range(8):
+    # zeroed after the steps where some layer did not write: 2 (mid), 4 and 5 (compiled), 8 and 13 (mid)
+    assert zeroings == [2, 4, 5, 8, 13], zeroings
+    assert len(flushed) == 2 and [slot for slot, _ in per_step] == list(range(8)) * 2
+    for step in range(16):
+        window, judged = flushed[step // 8].numpy(), per_step[step][1]
         for i, name in enumerate(_NAMES):
             want = expected[step].get(name, 0.0)  # a layer that did not run sums to 0: no call
-            for got in (window[step, i], judged[step][i]):
+            for got in (window[step % 8, i], judged[i]):
                 if math.isnan(want):
                     assert math.isnan(got), (step, name, got)
                 elif want == 0.0:
