@@ -11,7 +11,9 @@ their device cells, and the two add up in the row.
 
 The forward order is the one value eager and compiled taps must agree on: it is the device
 clock (``taps.DeviceCells.clock``), which each *compiled* call counts down by ``tick``, read
-by an eager tap at its first call of the step (one op, no decrement), plus a host part that
+by an eager tap at its first call of the step (one op, no decrement; none while no compiled call
+has counted it down in the step, as the op that marks compiled calls tells the host: the clock is
+then at its start, and the host adds that value itself), plus a host part that
 orders the eager layers between two compiled calls (:meth:`HostCells.next_order`): ``tick - 1``
 for the first of them, one less for each after it. A larger value is an earlier call, so an
 eager layer run before a compiled call sorts before it, one run after it sorts after it, and
