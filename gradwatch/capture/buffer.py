@@ -20,6 +20,7 @@ into their slots of the flat tensor at flush time, and reduced with the rest.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -45,7 +46,7 @@ class _State:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape)) if self.shape else 1
+        return math.prod(self.shape)  # (1 for a scalar's empty shape)
 
 
 class StatBuffer:
