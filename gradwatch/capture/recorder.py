@@ -9,13 +9,13 @@ copied to the host once, and decoded (``decode.py``).
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from .cells import Cells, DeviceCells
+from .hook_failures import HookFailures
 from .host_cells import HostCellMoves
 from ..flush.decode import build_window
 from .devices import index_tensor
@@ -29,10 +29,7 @@ from .layout import Layout
 from .param_stats import ParamStats, StepRows
 from .per_step_rows import PerStepRows
 from .update_rows import UpdateRows
-from ..failures import raise_if_strict
 from ..flush.window import Window
-
-log = logging.getLogger("gradwatch")
 
 
 class Recorder:
@@ -75,7 +72,7 @@ class Recorder:
         self.update_rows = UpdateRows(buffer, self.param_stats, flush_every)
         #: the optimizer hooks measuring update_ratio into this buffer (``capture.updates.UpdateRatio``), or None
         self.updates: Any = None
-        self._failures: set[str] = set()
+        self._hook_failures = HookFailures()
         # Views made once: indexing and slicing are an op each per call.
         self._units_window = buffer[UNIT_ACC]
         self._moves = [_CellMoves(cells, self.layout, self.param_stats.cpu_fast, self.per_step_rows)
@@ -107,19 +104,8 @@ class Recorder:
         self.flags.active = bool(value)
 
     def hook_failed(self, where: str, exc: BaseException) -> None:
-        """A hook raised: warn once per layer and kind of error, and keep training going (raised in strict mode
-        when it is a bug: ``failures.raise_if_strict``)."""
-        raise_if_strict(exc)
-        key = f"{where}:{type(exc).__name__}"
-        if key not in self._failures:
-            self._failures.add(key)
-            log.warning(
-                "gradwatch: internal error in the hook of layer %s (%s: %s); "
-                "its statistics may be incomplete, training continues",
-                where,
-                type(exc).__name__,
-                exc,
-            )
+        """A hook raised: warn once per layer and kind of error, and keep training going (``hook_failures.py``)."""
+        self._hook_failures.report(where, exc)
 
     # ------------------------------------------------------------------ step
     def record_step(self, params_scaled: bool = False) -> None:
@@ -182,13 +168,7 @@ class Recorder:
         return np.array([tap.checked_at != step for tap in self.cells.taps], dtype=bool)
 
     def _report_tap_failure(self) -> None:
-        if not self.flags.failed:
-            return
-        self.flags.failed = False
-        for tap in self.cells.taps:
-            if tap.failure is not None:
-                self.hook_failed(tap.name, tap.failure)
-                tap.failure = None
+        self._hook_failures.collect(self.flags, self.cells.taps)
 
     def discard_pending(self) -> None:
         """Forget what the taps collected (no step() will claim it)."""

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..alerts import Finding
 from ..config import HealthConfig
+from .calm_stretch import remember_calm_stretch
 from .columns import nan_median_columns, oldest_first
 from .serial import by_name, columns_from, nullable
 
@@ -246,48 +247,9 @@ class ExplodingRule:
         return [first[k] for k in sorted(first)], calm
 
     def _remember_calm_rows(self, values: np.ndarray, cols: np.ndarray, start: int) -> int:
-        """``judge_row`` for the rows of ``values`` [steps, cols] from ``start`` on that are calm for
-        sure, all at once; returns the first row it left to ``judge_row`` (``len(values)``: none).
-
-        The window's usual case: every value under the absolute ceiling, under ``exploding_jump`` x the
-        previous calm value and, after the warm-up, within ``exploding_factor`` x the largest of the
-        last ``RECENT_STEPS`` calm values, where no relative ceiling (and no ``stands``) is needed.
-        Row by row that costs the flush ~40 us a step; here a stretch costs a few array operations.
-        A stretch is rows where each column holds finite values throughout or none at all; the rows
-        before the first that is not calm for sure are judged calm, as ``judge_row`` would judge them,
-        each seeing the ones before it in the rings (tests hold the two to the same rings and findings).
-        """
-        rows = values[start:]
-        missing = np.isnan(rows)
-        same = (missing == missing[0]).all(axis=1) & ~np.isinf(rows).any(axis=1)
-        n = len(rows) if same.all() else int(np.argmin(same))
-        if n == 0:
-            return start
-        live = ~missing[0]
-        c, block = cols[live], rows[:n, live]
-        cfg = self.config
-        recent = oldest_first(self.recent[:, c], self.recent_slot[c])
-        with np.errstate(invalid="ignore"):
-            # row t's largest recent calm value: of the ring's last RECENT_STEPS values before it
-            history = np.concatenate([recent, block])
-            top = np.fmax.reduce(np.lib.stride_tricks.sliding_window_view(history, RECENT_STEPS, axis=0)[:n], axis=-1)
-            previous = np.concatenate([self.last_calm[c][None, :], block[:-1]])
-            warm = (self.judged[c][None, :] + np.arange(n)[:, None]) >= cfg.exploding_warmup_steps
-            sure = ((block <= cfg.exploding_abs_norm) & ~((previous > 0) & (block >= cfg.exploding_jump * previous))
-                    & (~warm | (block <= cfg.exploding_factor * top)))  # fmt: skip
-        m = n if sure.all() else int(np.argmin(sure.all(axis=1)))
-        if m == 0:
-            return start
-        rings = ((self.recent, self.recent_slot, RECENT_STEPS), (self.level, self.level_slot, LEVEL_STEPS))
-        for ring, slots, size in rings:
-            kept = np.arange(max(m - size, 0), m)  # the writes that the later ones of the stretch do not overwrite
-            ring[(slots[c][None, :] + kept[:, None]) % size, c[None, :]] = block[kept]
-            slots[c] = (slots[c] + m) % size
-        if len(c):
-            self.last_calm[c] = block[m - 1]
-        self.exploded_streak[cols] = 0
-        self.judged[cols] += m
-        return start + m
+        """``judge_row`` for the rows of ``values`` from ``start`` on that are calm for sure, all at
+        once (``calm_stretch.remember_calm_stretch``); returns the first row it left to ``judge_row``."""
+        return remember_calm_stretch(self, values, cols, start)
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
