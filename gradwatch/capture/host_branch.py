@@ -174,11 +174,10 @@ def _define_ops() -> "torch.library.Library | None":
 
 
 _LIBRARY = _define_ops()  # kept: the registrations live as long as this object
-#: whether compiled taps record their sampled statistics through these ops (else at every step, masked)
+#: whether compiled taps record their sampled statistics through these ops (else at every step,
+#: masked). Also whether every compiled call that counts the forward clock down tells the host
+#: (``mark_output`` counts it in ``RecordingFlags.compiled_marks``), unless the step is traced
+#: whole (``detail="full"`` records in the graph): eager taps read it for their order mark.
 IN_USE = _LIBRARY is not None and _compat.OPS_IN_HOOKS
-#: whether every compiled call that counts the forward clock down tells the host (``mark_output``
-#: counts it in ``RecordingFlags.compiled_marks``): where the ops are in use and the step is not
-#: traced whole (``detail="full"`` records in the graph)
-MARKS_REPORTED = IN_USE
 add_output_grad = _op("add_output_grad") if _LIBRARY is not None else None
 mark_output = _op("mark_output") if _LIBRARY is not None else None

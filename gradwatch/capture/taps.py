@@ -261,7 +261,7 @@ class OutputTap:
         if self.ordered_at != flags.step:
             self.ordered_at = flags.step
             host = self.host
-            if flags.compiled_marks or not host_branch.MARKS_REPORTED or flags.every_step:
+            if flags.compiled_marks or not host_branch.IN_USE or flags.every_step:
                 self.first_call.clamp_min_(shared.clock)  # compiled calls may have moved the clock
                 host.order[self.index] = host.next_order()
             else:  # no compiled call marked its order before this one: the clock is at its start

@@ -55,9 +55,17 @@ def _orders(model: nn.Module, steps: int, detail: str) -> list[list[str]]:
     return [[w.layers[i] for i in w.step_orders[t][0]] for t in range(steps) if w.sampled[t]]
 
 
-def test_the_forward_order_runs_through_eager_and_compiled_layers():
+@pytest.mark.parametrize("ops", [True, False], ids=["ops", "masked"])
+def test_the_forward_order_runs_through_eager_and_compiled_layers(ops, monkeypatch):
     # The default detail (compiled taps count the clock down where the device's flag says the step
     # is sampled); detail="full" with eager layers before and after compiled blocks is in test_compile.
+    # "ops": the opaque op that marks a compiled call tells the host, so eager taps before any
+    # compiled call of the step need no device mark (the clock is at its start), those after one
+    # take it; "masked" (a torch where the ops are not in use): compiled calls cannot tell the
+    # host, so every eager tap marks the device.
+    from gradwatch.capture import host_branch
+
+    monkeypatch.setattr(host_branch, "IN_USE", ops)
     torch.manual_seed(0)
     model = Mixed()
     for block in (model.early, model.late):
