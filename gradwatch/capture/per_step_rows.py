@@ -91,6 +91,8 @@ class PerStepRows:
         #: slot -> the layers whose cells carried the last step's sum into it (``_settle``)
         self._carried: dict[int, np.ndarray] = {}
         self._whole_window: tuple | None = None  # (buffer, the flush's views of a whole window)
+        #: the last window's last forward sums (float32), kept at its flush: what a first step may have carried
+        self._last_window_forward = np.zeros(layers, dtype=np.float32)
 
     def record(self, param_stats, rows, present: np.ndarray) -> None:  # type: ignore[no-untyped-def]
         """This step's parameter statistics (``param_stats.record`` into ``rows``, whose ``sq`` is
@@ -128,7 +130,7 @@ class PerStepRows:
     def start_window(self, keep_sums: bool = False) -> None:
         """A new window (its rows were settled at the flush, :meth:`into_buffer`). ``keep_sums``: the
         cells were not zeroed since the last step's :meth:`finish`, so what it kept carries into the
-        new window's first step, taken out against the table's last row (``slot - 1`` is -1)."""
+        new window's first step, taken out against the last window's last row (kept at the flush)."""
         self._kept = self._kept and keep_sums
         self._carried.clear()
 
@@ -149,7 +151,8 @@ class PerStepRows:
         layers = self._carried.pop(slot, None)
         if layers is None:
             return
-        carried = self.host_forward[slot - 1, layers].astype(np.float64)
+        before = self.host_forward[slot - 1] if slot > 0 else self._last_window_forward
+        carried = before[layers].astype(np.float64)
         row = self.host_forward[slot]
         row[layers] = np.where(np.isfinite(carried), row[layers] - carried, 0.0)
 
@@ -164,6 +167,9 @@ class PerStepRows:
             torch.cuda.synchronize(self.stage.device)
         for slot in sorted(self._carried):
             self._settle(slot)
+        # what the window's last step may carry into the next window's first: its row is rewritten
+        # before the next flush (and, without per-step judging, before anything settles that step)
+        self._last_window_forward = self.host_forward[recorded - 1].copy()
         norms, forward, sq, fwd = self._flush_views(buffer, recorded)
         sq.copy_(norms).square_()
         fwd.copy_(forward)
