@@ -89,8 +89,8 @@ class Recorder:
 
     @property
     def nbytes(self) -> int:
-        """Bytes gradwatch holds on the devices: the declared buffer, the per-step rows, the cells, the
-        projection weights."""
+        """Bytes gradwatch holds on the devices: the declared buffer, the per-step stage's norms, the
+        cells, the projection weights."""
         staged = self.per_step_rows
         return self.buffer.nbytes + self.cells.nbytes + (staged.nbytes if staged is not None else 0)
 

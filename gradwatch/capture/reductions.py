@@ -48,7 +48,7 @@ class StepRows:
     count: bool = True  # False: accelerators skip the non-finite count (finite-or-not stays in sq)
     #: CPU buffers: ``sq`` as a numpy view made once, for the host check of the results
     sq_host: np.ndarray | None = None
-    #: ``sq`` is a per-step row's (``capture/per_step_rows.py``), squared where it is read: the common
+    #: ``sq`` is the per-step stage's norms (``capture/per_step_rows.py``), squared where read: the common
     #: case may leave the norms there (``ForeachStats.reduce``'s ``keep_norms``; a group's slice has
     #: it False, so that every strategy of the general path writes squares)
     norms_allowed: bool = False
@@ -117,8 +117,8 @@ class ForeachStats:
         """Fill ``rows`` (this group's columns) for ``grads``; ``cpu``: result slots of the CPU path
         (float32 and narrower gradients); ``count``: count non-finite elements even on a step that
         does not (float64 gradients on the CPU path, whose counts are promised at every step);
-        ``keep_norms``: leave the norms in ``rows.sq`` where ``rows.norms_allowed`` (a per-step row,
-        squared where it is read: one op less). Returns whether ``rows.sq`` holds norms."""
+        ``keep_norms``: leave the norms in ``rows.sq`` where ``rows.norms_allowed`` (the per-step
+        stage's, squared where read: one op less). Returns whether ``rows.sq`` holds norms."""
         if cpu is not None:  # CPU: float32 norms, squared into the float64 row, checked on the host
             norms, _, _ = cpu.head(len(grads))
             # stack into float32 (a float64 out= costs ~6x as much), square into the row
