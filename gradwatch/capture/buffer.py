@@ -98,17 +98,16 @@ class StatBuffer:
         self._views = {
             s.name: self._storage[s.offset : s.offset + s.numel].view(s.shape) for s in self._states.values()
         }
-        self._host_block = np.zeros(sum(n for _, n in runs), dtype=np.int64)
-        self.host, self._host_runs, start = {}, [], 0
-        for run_offset, numel in runs:
-            block = self._host_block[start : start + numel]
-            # views made once: the run's slots of the flat tensor and the host array they come from
-            self._host_runs.append((self._storage[run_offset : run_offset + numel], torch.from_numpy(block)))
-            for state in self._states.values():
-                if state.host and run_offset <= state.offset < run_offset + numel:
-                    at = start + state.offset - run_offset
-                    self.host[state.name] = self._host_block[at : at + state.numel].reshape(state.shape)
-            start += numel
+        # The host array holds the runs end to end, each state where storage order puts it.
+        block = self._host_block = np.zeros(sum(n for _, n in runs), dtype=np.int64)
+        self.host, at = {}, 0
+        for state in sorted((s for s in self._states.values() if s.host), key=lambda s: s.offset):
+            self.host[state.name] = block[at : at + state.numel].reshape(state.shape)
+            at += state.numel
+        # views made once: each run's slots of the flat tensor and the part of the host array it copies
+        starts = np.cumsum([0] + [n for _, n in runs])
+        self._host_runs = [(self._storage[offset : offset + n], torch.from_numpy(block[start : start + n]))
+                           for (offset, n), start in zip(runs, starts)]  # fmt: skip
         self._frozen = True
 
     def __getitem__(self, name: str) -> torch.Tensor:

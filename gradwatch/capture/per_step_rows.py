@@ -72,7 +72,6 @@ class PerStepRows:
         device, dtype = buffer.device, buffer.dtype
         norm_bytes = params * dtype.itemsize
         width = -(-(norm_bytes + 4 * layers) // dtype.itemsize) * dtype.itemsize  # whole values of either dtype
-        self._norm_bytes = norm_bytes
         self.stage = torch.zeros(width, dtype=torch.uint8, device=device)
         #: [P] this step's gradient norms (or, on the general path, sums of squares turned into norms)
         self.norms = self.stage[:norm_bytes].view(dtype)
@@ -83,14 +82,15 @@ class PerStepRows:
         # Views made once (slicing is an op per call): each step's row; for the read-back, the
         # table as [flush_every x P] norms and [flush_every x L] forward sums (numpy).
         self._host_rows = list(self.host.unbind(0))
-        table = self.host.numpy()
-        self.host_norms = table[:, :norm_bytes].view(np.dtype(torch.empty(0, dtype=dtype).numpy().dtype))
-        self.host_forward = table[:, norm_bytes : norm_bytes + 4 * layers].view(np.float32)
+        self._host_norms = self.host[:, :norm_bytes].view(dtype)
+        self._host_forward = self.host[:, norm_bytes : norm_bytes + 4 * layers].view(torch.float32)
+        self.host_norms, self.host_forward = self._host_norms.numpy(), self._host_forward.numpy()
+        #: where the flush copies the table to (``into_buffer``)
+        self._buffer_sq, self._buffer_forward = buffer[PARAM_SQ], buffer[FWD_SUM]
         #: the forward sums were not zeroed after the last step (every layer wrote its own there)
         self._kept = False
         #: slot -> the layers whose cells carried the last step's sum into it (``_settle``)
         self._carried: dict[int, np.ndarray] = {}
-        self._whole_window: tuple | None = None  # (buffer, the flush's views of a whole window)
         #: the last window's last forward sums (float32), kept at its flush: what a first step may have carried
         self._last_window_forward = np.zeros(layers, dtype=np.float32)
 
@@ -113,15 +113,13 @@ class PerStepRows:
                 last step's sums were kept: those layers' cells still held them).
         """
         if self._kept:
-            self._carried_into(slot, missing())
+            carried = np.flatnonzero(missing())
+            if len(carried):
+                self._carried[slot] = carried
         self._host_rows[slot].copy_(self.stage, non_blocking=self.pinned)
         self._kept = every_layer_wrote
         if not every_layer_wrote:
             self.forward.zero_()
-
-    def _carried_into(self, slot: int, missing: np.ndarray) -> None:
-        if missing.any():
-            self._carried[slot] = np.flatnonzero(missing)
 
     def forget(self) -> None:
         """The cells were zeroed (calls no step() claims, a new window): nothing carries into the next step."""
@@ -156,8 +154,8 @@ class PerStepRows:
         row = self.host_forward[slot]
         row[layers] = np.where(np.isfinite(carried), row[layers] - carried, 0.0)
 
-    def into_buffer(self, buffer: StatBuffer, recorded: int) -> None:
-        """Copy the first ``recorded`` steps' rows into ``param_sq`` (squared) and ``fwd_sum`` (at a
+    def into_buffer(self, recorded: int) -> None:
+        """Copy the first ``recorded`` steps' rows into the buffer's ``param_sq`` (squared) and ``fwd_sum`` (at a
         flush; the rows after them stay as the buffer has them: zero). On CUDA the host waits for
         the device first: the last steps' copies to the host may still be in flight, and a flush
         synchronises anyway."""
@@ -170,20 +168,12 @@ class PerStepRows:
         # what the window's last step may carry into the next window's first: its row is rewritten
         # before the next flush (and, without per-step judging, before anything settles that step)
         self._last_window_forward = self.host_forward[recorded - 1].copy()
-        norms, forward, sq, fwd = self._flush_views(buffer, recorded)
+        views = (self._host_norms, self._host_forward, self._buffer_sq, self._buffer_forward)
+        if recorded < len(self._host_rows):  # a window cut short (the views are whole: slicing is an op per call)
+            views = tuple(v[:recorded] for v in views)
+        norms, forward, sq, fwd = views
         sq.copy_(norms).square_()
         fwd.copy_(forward)
-
-    def _flush_views(self, buffer: StatBuffer, recorded: int) -> tuple[torch.Tensor, ...]:
-        """(host norms, host forward sums, ``param_sq``, ``fwd_sum``) of the first ``recorded`` steps:
-        made once for a whole window (slicing is an op per call), sliced for a shorter one."""
-        if self._whole_window is None or self._whole_window[0] is not buffer:
-            nb, dtype = self._norm_bytes, self.norms.dtype
-            views = (self.host[:, :nb].view(dtype), self.host[:, nb : nb + 4 * self.layers].view(torch.float32),
-                     buffer[PARAM_SQ], buffer[FWD_SUM])  # fmt: skip
-            self._whole_window = (buffer, views)
-        views = self._whole_window[1]
-        return views if recorded == len(self._host_rows) else tuple(v[:recorded] for v in views)
 
     @property
     def nbytes(self) -> int:

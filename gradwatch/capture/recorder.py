@@ -189,7 +189,7 @@ class Recorder:
         """Copy the host counts into the buffer, ready for the collective."""
         self._report_tap_failure()
         if self.per_step_rows is not None:
-            self.per_step_rows.into_buffer(self.buffer, min(self.slot, self.flush_every))
+            self.per_step_rows.into_buffer(min(self.slot, self.flush_every))
         self.buffer.load_host_states()
 
     def snapshot(self, steps: list[int], dead_eps: float, scaler_in_use: bool, layout: Layout | None = None) -> Window:

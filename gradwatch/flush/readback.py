@@ -154,12 +154,14 @@ class StepReadback:
                     event.synchronize()
                 staged, order_host = self._ring_host[k]
                 p, n = self._p, self._n
-                values = staged[: 2 * (p + n) if sampled else p + n].astype(np.float64)  # a copy: the slot is reused
-                sq, forward = values[:p], values[p : p + n]
                 if self._every_step is not None:  # the per-step table: norms (squared here) and float32 sums
                     sq = np.square(self._every_step.host_norms[slot], dtype=np.float64)
                     forward = self._every_step.forward_row(slot)
-                nonfinite, out_sq = (values[p + n : 2 * p + n], values[2 * p + n :]) if sampled else self._zeros
+                    values = staged[p + n :].astype(np.float64) if sampled else None  # a copy: the slot is reused
+                else:
+                    values = staged[: 2 * (p + n) if sampled else p + n].astype(np.float64)
+                    sq, forward, values = values[:p], values[p : p + n], values[p + n :]
+                nonfinite, out_sq = (values[:p], values[p:]) if sampled else self._zeros
                 order = order_host.astype(np.float64) if sampled else None
                 self._free.append(k)
             self._in_flight.pop(0)

@@ -84,10 +84,8 @@ def _sum_of_squares(out: torch.Tensor, dtype: torch.dtype, exact: bool) -> list[
         # exact at any magnitude, at float32's speed: float32 rows, those it could not hold redone
         # (outside compiled code: which rows is a selection on the values)
         return [cpu_rows.square_sum(out, dtype)]
-    if exact or out.dtype != torch.float32:
-        # in the cells' dtype (float64): exact at any magnitude (the reduction copies the output)
-        return [torch.linalg.vector_norm(out, dtype=dtype).square()]
-    rows = cpu_rows.memory_rows(out) if CPU_ROWS and out.device.type == "cpu" else None
+    float32_window = not exact and out.dtype == torch.float32
+    rows = cpu_rows.memory_rows(out) if float32_window and CPU_ROWS and out.device.type == "cpu" else None
     if rows is not None:
         # The CPU accumulates a float32 reduction sequentially per vector lane: one norm of a
         # million-element output is off by ~1e-5 relative (1.6e-4 at 8M). Norms of 1024-element
@@ -95,18 +93,24 @@ def _sum_of_squares(out: torch.Tensor, dtype: torch.dtype, exact: bool) -> list[
         # faster (62 against 86 us on a (32, 32, 32, 32) output; benchmarks/RESULTS.md).
         norms = torch.linalg.vector_norm(rows, dim=1).to(dtype)
         return [torch.dot(norms, norms)]
-    # float32 where it is exact (see above), as many ops as the float64 path: the stack of the
-    # step's accumulators is then float32 too (a count above 2**24 rounds to 6e-8 relative);
-    # accurate to ~1e-7 on accelerators (tree reductions) and on small CPU outputs
-    return [torch.linalg.vector_norm(out).square()]
+    return [_output_norm(out, dtype, exact).square()]
+
+
+def _output_norm(out: torch.Tensor, dtype: torch.dtype, exact: bool) -> torch.Tensor:
+    """The output's norm in one reduction: in the cells' dtype (float64) where ``exact`` or the output
+    is not float32 (exact at any magnitude; the reduction copies the output), else in float32 where
+    the last window shows it exact (the stack of the step's accumulators is then float32 too, a
+    count above 2**24 rounding to 6e-8 relative; accurate to ~1e-7 on accelerators, tree
+    reductions, and on small CPU outputs)."""
+    if exact or out.dtype != torch.float32:
+        return torch.linalg.vector_norm(out, dtype=dtype)
+    return torch.linalg.vector_norm(out)
 
 
 def _write_sum_of_squares(out: torch.Tensor, exact: bool, cells: list[torch.Tensor]) -> None:
-    # as ``_sum_of_squares`` off the CPU's rows: the norm (in the cells' dtype where exact), squared into its cell
+    # as ``_sum_of_squares`` off the CPU's rows: the norm, squared into its cell
     (cell,) = cells
-    norm = torch.linalg.vector_norm(out, dtype=cell.dtype) if exact or out.dtype != torch.float32 else \
-        torch.linalg.vector_norm(out)
-    torch.square(norm, out=cell)
+    torch.square(_output_norm(out, cell.dtype, exact), out=cell)
 
 
 def _nonzeros(out: torch.Tensor, dtype: torch.dtype, exact: bool) -> list[torch.Tensor]:
