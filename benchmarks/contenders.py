@@ -303,8 +303,8 @@ class EmptyHooks(Contender):
 
 class DefaultStepFloor(Contender):
     """What the default reads on a step that is not sampled, with no bookkeeping: one sum of each
-    layer's output in a forward hook (the non-finite check) and one ``_foreach_norm`` of the
-    parameter gradients. A lower bound for the default's per-layer cost."""
+    layer's output in a forward hook (the non-finite check; of a tuple, its first tensor) and one
+    ``_foreach_norm`` of the parameter gradients. A lower bound for the default's per-layer cost."""
 
     name = "default's read floor (no bookkeeping)"
 
@@ -315,10 +315,16 @@ class DefaultStepFloor(Contender):
         self.handles = [m.register_forward_hook(self._forward_hook) for m in _layers(model)]
 
     def _forward_hook(self, module, args, output):
-        if isinstance(output, torch.Tensor):
-            torch._C._set_grad_enabled(False)
-            self.results.append(output.sum())
-            torch._C._set_grad_enabled(True)
+        # A layer that returns a tuple (MultiheadAttention: output and weights) is checked on its
+        # first tensor, as gradwatch checks it (``layers.grad_tensors``).
+        if not isinstance(output, torch.Tensor):
+            output = next((t for t in output if isinstance(t, torch.Tensor)), None) if isinstance(
+                output, (tuple, list)) else None  # fmt: skip
+            if output is None or not output.is_floating_point():
+                return
+        torch._C._set_grad_enabled(False)
+        self.results.append(output.sum())
+        torch._C._set_grad_enabled(True)
 
     def after_backward(self):
         self.results.extend(torch._foreach_norm([p.grad for p in self.params if p.grad is not None], 2))

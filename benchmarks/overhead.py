@@ -95,16 +95,20 @@ STEADY_CONTENDERS = [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(
                      C.LightningGradNorm, C.gradwatch_contender(50, heatmap_budget=0.01)]  # fmt: skip
 
 
-def steady_section(windows: int, device: torch.device, flush_every: int = 50) -> dict:
+def steady_section(windows: int, device: torch.device, flush_every: int = 50,
+                   workloads: list[str] | None = None) -> dict:  # fmt: skip
     """What the default costs over whole windows in steady state: every step of ``windows`` windows
     after the first two, timed interleaved (the first flush imports matplotlib and lays the heatmap
     out, ~0.5 s; the second draws it again, since the first drawing is no measure of the next
     one's cost; after that the image is drawn within its budget). The mean ratio then holds each
     window's sampled steps and its flush in their real proportion, which the paired median (a
-    typical, unsampled step) does not see."""
+    typical, unsampled step) does not see. ``workloads``: names of the standard workloads to run
+    (default all three)."""
     print(f"\n# steady state: {windows} whole windows of {flush_every} steps after the first two; mean ratios")
     figures = {}
     for workload in W.standard():
+        if workloads and not any(workload.name.startswith(name) for name in workloads):
+            continue
         results = measure(workload, STEADY_CONTENDERS, windows * flush_every, 2 * flush_every, device)
         base = results[0]
         print(f"## {workload.name}  (mean unmonitored step {base.mean * 1e3:.2f} ms)")
@@ -183,6 +187,7 @@ def _main() -> None:
     parser.add_argument("--skip-ops", action="store_true", help="skip the op counts (slow: every op through Python)")
     parser.add_argument("--only", help="comma-separated sections: standard, real, compiled, depth, flush, steady")
     parser.add_argument("--windows", type=int, default=4, help="steady section: whole windows timed (default 4)")
+    parser.add_argument("--workloads", help="steady section: comma-separated, of mlp, resnet, transformer (default all)")
     args = parser.parse_args()
     sections = set(args.only.split(",")) if args.only else {"standard", "real", "compiled", "depth", "flush", "steady"}
     if args.skip_real:
@@ -218,7 +223,8 @@ def _main() -> None:
         report["compiled"] = compiled_section(max(rounds // 2, 10), warmup, device)
 
     if "steady" in sections:
-        report["steady"] = steady_section(1 if args.quick else args.windows, device)
+        report["steady"] = steady_section(1 if args.quick else args.windows, device,
+                                          workloads=args.workloads.split(",") if args.workloads else None)  # fmt: skip
 
     if "depth" in sections:
         depths = (16, 64) if args.quick else (16, 64, 256)

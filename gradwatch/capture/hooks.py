@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import _compat as compiled
-from .layers import LayerSpec
+from .layers import LayerSpec, output_aliases
 
 if TYPE_CHECKING:
     from .taps import OutputTap
@@ -52,21 +52,4 @@ class HookSet:
         if self._guarding:
             self._guarding = False
             compiled.release_hook_guards()
-
-
-def output_aliases(layers: list[LayerSpec]) -> dict[int, tuple[int, ...]]:
-    """Layers whose output is also another monitored layer's output, by index.
-
-    ``nn.MultiheadAttention`` applies its ``out_proj`` functionally (``F.linear`` with
-    ``out_proj.weight``), so ``out_proj``'s own forward hook never runs; the attention's
-    output is exactly ``out_proj``'s output, so it is recorded for both layers.
-    """
-    index = {id(layer.module): i for i, layer in enumerate(layers)}
-    aliases: dict[int, tuple[int, ...]] = {}
-    for i, layer in enumerate(layers):
-        if isinstance(layer.module, torch.nn.MultiheadAttention):
-            target = index.get(id(layer.module.out_proj))
-            if target is not None:
-                aliases[i] = (target,)
-    return aliases
 

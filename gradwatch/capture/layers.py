@@ -7,6 +7,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -289,3 +290,51 @@ def grad_tensors(output: object, _depth: int = 0) -> list[torch.Tensor]:
     for item in values:
         found.extend(grad_tensors(item, _depth + 1))
     return found
+
+
+def output_aliases(layers: list[LayerSpec]) -> dict[int, tuple[int, ...]]:
+    """Layers whose output is also another monitored layer's output, by index.
+
+    ``nn.MultiheadAttention`` applies its ``out_proj`` functionally (``F.linear`` with
+    ``out_proj.weight``), so ``out_proj``'s own forward hook never runs; the attention's
+    output is exactly ``out_proj``'s output, so it is recorded for both layers (its forward
+    check once, for both: ``ForwardAliases``).
+    """
+    index = {id(layer.module): i for i, layer in enumerate(layers)}
+    aliases: dict[int, tuple[int, ...]] = {}
+    for i, layer in enumerate(layers):
+        if isinstance(layer.module, torch.nn.MultiheadAttention):
+            target = index.get(id(layer.module.out_proj))
+            if target is not None:
+                aliases[i] = (target,)
+    return aliases
+
+
+class ForwardAliases:
+    """Layers whose forward check is another layer's: ``out_proj`` of a monitored
+    ``MultiheadAttention`` (``output_aliases``). The attention's tap sums the output once; the host
+    copies that sum into the alias's column where it reads a step (``flush.readback``) and the
+    window (``Recorder.prepare_flush``), so every reader sees both layers, as before, for one sum.
+
+    Args:
+        layers: the monitored layers, in the order of the buffer's layer columns.
+        device: where the buffer is.
+    """
+
+    def __init__(self, layers: list[LayerSpec], device: torch.device) -> None:
+        pairs = sorted((alias, target) for target, aliases in output_aliases(layers).items() for alias in aliases)
+        #: [A] the alias layers' columns and [A] the columns whose sums they take (empty: none)
+        self.alias = np.array([a for a, _ in pairs], dtype=np.int64)
+        self.target = np.array([t for _, t in pairs], dtype=np.int64)
+        self._alias_t, self._target_t = (torch.from_numpy(cols).to(device) for cols in (self.alias, self.target))
+
+    def __bool__(self) -> bool:
+        return len(self.alias) > 0
+
+    def fill(self, forward: np.ndarray) -> None:
+        """[..., L] host forward sums: each alias column takes its target's, in place."""
+        forward[..., self.alias] = forward[..., self.target]
+
+    def fill_rows(self, forward: torch.Tensor) -> None:
+        """[steps, L] forward sums in the buffer (any device): the same, in place; two ops."""
+        forward.index_copy_(1, self._alias_t, forward.index_select(1, self._target_t))

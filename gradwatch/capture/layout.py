@@ -13,7 +13,7 @@ import torch
 
 from ..registry.states import Sizes, declare_states
 from .buffer import StatBuffer
-from .layers import LayerSpec
+from .layers import ForwardAliases, LayerSpec
 from .param_stats import ParamStats
 from .updates import sample_view, sampled_columns
 
@@ -28,6 +28,8 @@ class Layout:
         n = len(layers)
         p = param_stats.n_params
         self.unit_count = np.array([layer.units for layer in layers], dtype=np.int64)
+        #: layers whose forward check is another's (MultiheadAttention's out_proj), filled in on the host
+        self.forward_aliases = ForwardAliases(layers, torch.device(device))
         self.unit_offset = starts(self.unit_count)
         self.param_layer = param_stats.param_layer
         self.param_numel = np.zeros(n, dtype=np.int64)

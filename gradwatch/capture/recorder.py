@@ -81,6 +81,11 @@ class Recorder:
         # Unsampled steps leave max |g| (and, on accelerators, the non-finite count) out.
         self._param_rows = _step_rows(buffer, self.per_step_rows, self.layout.planned_slots)
         self._full_rows = _step_rows(buffer, self.per_step_rows, np.ones(flush_every, dtype=bool))  # every statistic
+        # The layers whose taps check their own forward (an alias's is its attention's: never written)
+        aliases = self.layout.forward_aliases
+        self._checks_own = np.ones(len(layers), dtype=bool)
+        self._checks_own[aliases.alias] = False
+        self._forward_checks = int(self._checks_own.sum())
 
     @property
     def update_steps(self) -> list[int]:
@@ -142,7 +147,7 @@ class Recorder:
             raise
         finally:
             if self.per_step_rows is not None:  # to the host, and the forward sums zeroed where needed
-                self.per_step_rows.finish(slot, flags.forward_writes == len(self.cells.taps), self._unwritten)
+                self.per_step_rows.finish(slot, flags.forward_writes == self._forward_checks, self._unwritten)
             flags.forward_writes = flags.compiled_marks = 0
             if sampled:
                 for cells in self.cells.devices:
@@ -165,7 +170,7 @@ class Recorder:
     def _unwritten(self) -> np.ndarray:
         """[L] the layers whose eager forward check did not write its cell at this step."""
         step = self.flags.step
-        return np.array([tap.checked_at != step for tap in self.cells.taps], dtype=bool)
+        return np.array([tap.checked_at != step for tap in self.cells.taps], dtype=bool) & self._checks_own
 
     def _report_tap_failure(self) -> None:
         self._hook_failures.collect(self.flags, self.cells.taps)
@@ -190,6 +195,8 @@ class Recorder:
         self._report_tap_failure()
         if self.per_step_rows is not None:
             self.per_step_rows.into_buffer(min(self.slot, self.flush_every))
+        if self.layout.forward_aliases:
+            self.layout.forward_aliases.fill_rows(self.buffer[FWD_SUM])
         self.buffer.load_host_states()
 
     def snapshot(self, steps: list[int], dead_eps: float, scaler_in_use: bool, layout: Layout | None = None) -> Window:

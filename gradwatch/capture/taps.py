@@ -183,6 +183,7 @@ class OutputTap:
         #: eager taps count output elements and their place in the forward on the host
         self.host, self.index = host, index
         self.forward_sum = forward_sum
+        self.device = forward_sum.device  # (a property that makes a new object at every read)
         # The same cell as a 0-d tensor: the out= of a one-op sum (eager; see _check_forward).
         self.step_sum = forward_sum.data.view(())
         # flags.step at this tap's latest forward check, forward order and output statistics (eager)
@@ -229,6 +230,8 @@ class OutputTap:
             return None
         try:
             if torch.is_grad_enabled():
+                if not torch.compiler.is_compiling():
+                    return self._record_eagerly(output)
                 return self._record_outputs(output)
             elif not torch.compiler.is_compiling() and self.flags.sampling and _compat.in_reentrant_checkpoint():
                 # Reentrant activation checkpointing runs its blocks' first forward without grad:
@@ -238,6 +241,22 @@ class OutputTap:
                 self._mark_forward_order(output)
         except Exception as exc:  # never break training; reported at step() (nothing raises when traced)
             self.failed(exc)
+        return None
+
+    def _record_eagerly(self, output: Any) -> Any:
+        """An eager call: on an unsampled step, a plain tensor output of a layer no other tap records
+        takes the forward check alone, without the general path's calls (this runs at every layer
+        call of every step, between the model's own ops, where each Python call costs several times
+        its price in a loop: benchmarks/RESULTS.md, thirty-first session)."""
+        flags = self.shared.flags
+        if flags._sampling or type(output) is not torch.Tensor or self.alias_taps:
+            return self._record_outputs(output)
+        if output.is_floating_point() and output.device == self.device:
+            _set_grad_enabled(False)
+            try:
+                self._check_forward(output, flags)
+            finally:
+                _set_grad_enabled(True)
         return None
 
     def _mark_forward_order(self, output: Any) -> None:
@@ -278,8 +297,8 @@ class OutputTap:
                 return None
             first, extras = tensors[0], tensors[1:]
         self.record_output(first)
-        for tap in self.alias_taps:
-            tap.record_output(first)
+        for tap in self.alias_taps:  # the same tensor: its forward check is this tap's (layers.ForwardAliases)
+            tap.record_output(first, checked=True)
         for extra in extras:  # e.g. an RNN's h_n: an output with the same units, when it has them
             if extra.ndim and self.grad_stats.judged(extra):
                 self.record_output(extra)
@@ -294,22 +313,25 @@ class OutputTap:
         self.failure = exc
         self.flags.failed = True
 
-    def record_output(self, out: torch.Tensor) -> None:
-        """Fold one output into this step's cells (and, on sampled steps, watch its gradient)."""
+    def record_output(self, out: torch.Tensor, checked: bool = False) -> None:
+        """Fold one output into this step's cells (and, on sampled steps, watch its gradient);
+        ``checked``: another tap's forward check reads this very tensor (an alias's: the host copies
+        that sum into this layer's column, ``layers.ForwardAliases``), so this one takes none."""
         # The sum is non-finite exactly when the output holds a NaN or Inf (or overflows float32,
         # as alarming); in float32 at least, so that half-precision sums do not overflow. Grad
         # mode off rather than detach(): one op fewer per call, and no autograd node.
         if out.device != self.forward_sum.device:
             return  # a replica on another device (nn.DataParallel): its cells are not there
         if torch.compiler.is_compiling():
-            self._record_output_traced(out)
+            self._record_output_traced(out, checked)
             return
         flags = self.flags
         sampling = flags.sampling
         _set_grad_enabled(False)
         try:
             # A DTensor output (SequenceParallel keeps one): this rank's piece (mesh.py combines them).
-            self._check_forward(local_tensor(out), flags)
+            if not checked:
+                self._check_forward(local_tensor(out), flags)
             if sampling:
                 if not _compat.in_backward():  # a recomputation inside backward is not forward order
                     self._mark_order()
@@ -334,7 +356,7 @@ class OutputTap:
             stats.add_(registry.accumulate_all(local, stats.dtype, self.exact_outputs))
         self.host.add(self.host.elements, self.index, local.numel())
 
-    def _record_output_traced(self, out: torch.Tensor) -> None:
+    def _record_output_traced(self, out: torch.Tensor, checked: bool) -> None:
         """``record_output`` inside compiled code: every step's graph is the sampled one; what only
         sampled steps record goes to the opaque op that reads the host's flag when it runs
         (``host_branch.py``), or where it is not in use is computed at every step and masked; with
@@ -344,7 +366,8 @@ class OutputTap:
         shared = self.shared
         cells = self.forward_cells  # [first call | output elements | output statistics]
         with torch.no_grad():
-            self.forward_sum.add_(_forward_sum(local))
+            if not checked:
+                self.forward_sum.add_(_forward_sum(local))
             if shared.flags.every_step:
                 add_recorded_output(local, cells, shared.clock, shared.clock_tick, self.records_outputs)
             elif host_branch.IN_USE:

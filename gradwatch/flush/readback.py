@@ -165,6 +165,8 @@ class StepReadback:
                 order = order_host.astype(np.float64) if sampled else None
                 self._free.append(k)
             self._in_flight.pop(0)
+            if self.layout.forward_aliases:  # an alias's forward sum is its target's (it takes no sum of its own)
+                self.layout.forward_aliases.fill(forward)
             # Views of the buffer's rows on the CPU path (they hold until the window ends), copies
             # of the staging slot otherwise.
             out.append(StepValues(slot, sq, nonfinite, self._present[slot], forward, out_sq, order,

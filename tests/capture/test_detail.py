@@ -91,6 +91,7 @@ def _ops_per_step(
 #: sampled steps at 2 ops a layer fewer (the eager order mark only after a compiled one; each
 #: output statistic written into its cell) and the flush at 11 ops instead of 34 (one copy of the
 #: host states, the cells not reset again right after a step): MLP +4.99%, Transformer +3.65%.
+#: Then one forward check for a MultiheadAttention and its out_proj (the same tensor): Transformer +3.26%.
 _OPS_BUDGET = {"_mlp": 0.05, "_transformer": 0.04}
 
 
@@ -152,7 +153,8 @@ def test_an_unsampled_step_adds_one_op_per_layer_and_a_fixed_few(make, path, mon
     # model. On the accelerators' path exactly three (capture/per_step_rows.py): the gradient norms,
     # their stack into the stage beside the taps' forward sums, the stage's copy to the host (the
     # per-step checks and the window's record). The taps' sums are not zeroed: every layer's eager
-    # check wrote its own at this step.
+    # check wrote its own at this step. A MultiheadAttention's out_proj outputs the very tensor its
+    # attention does: one sum for both (capture/layers.py, ForwardAliases).
     import gradwatch.capture.param_stats as param_stats
 
     monkeypatch.setattr(param_stats, "CPU_FAST_PATH", path == "cpu-path")
@@ -162,7 +164,9 @@ def test_an_unsampled_step_adds_one_op_per_layer_and_a_fixed_few(make, path, mon
         torch.manual_seed(0)
         model, x, y = make()
         monitor = GradMonitor(model, flush_every=5) if monitored else None
-        layers = len(monitor.layers) if monitor is not None else 0
+        modules = [model.get_submodule(name) for name in monitor.layers] if monitor is not None else []
+        shared = sum(isinstance(m, nn.MultiheadAttention) and any(o is m.out_proj for o in modules) for m in modules)
+        layers = len(modules) - shared  # the outputs checked
         counter = OpCounter()
         for step in range(slot + 1):
             with counter if step == slot else contextlib.nullcontext():
@@ -177,7 +181,7 @@ def test_an_unsampled_step_adds_one_op_per_layer_and_a_fixed_few(make, path, mon
     plain, plain_ops, _ = ops_of_slot(False)
     monitored, monitored_ops, layers = ops_of_slot(True)
     extra = monitored_ops - plain_ops
-    assert extra[torch.ops.aten.sum.IntList_out] == layers  # one sum per layer, written into its cell
+    assert extra[torch.ops.aten.sum.IntList_out] == layers  # one sum per output, written into its cell
     assert monitored - plain <= layers + (3 if path == "accelerators" else 5), [(str(k), v) for k, v in extra.items()]
     if path == "accelerators":
         fixed = {str(op): n for op, n in extra.items() if op != torch.ops.aten.sum.IntList_out and n}
