@@ -180,6 +180,20 @@ def test_gpu_check_keeps_the_figures_of_the_parts_before_one_that_fails(tmp_path
     assert list(written["seconds"]) == ["first", "second", "third"]
 
 
+def test_step_parts_times_each_part_of_an_unsampled_step_inside_it():
+    from benchmarks import step_parts
+    from gradwatch.capture import reductions
+
+    before = (reductions.foreach_norm, reductions._CpuSlots.__dict__["fix"])
+    us = step_parts.measure(_TINY, steps=40, flush_every=10)
+    assert (reductions.foreach_norm, reductions._CpuSlots.__dict__["fix"]) == before  # put back
+    assert {"pipeline.step", "  record_step", "  per-step judgement", "      foreach_norm (the floor's read)"} <= set(us)
+    assert all(value > 0 for value in us.values())
+    # nested parts are inside their owner's time
+    assert us["pipeline.step"] >= us["  record_step"] >= us["    parameter gradients"]
+    assert us["    parameter gradients"] >= us["      foreach_norm (the floor's read)"]
+
+
 def test_flush_cost_times_every_part_of_the_flush_inside_it():
     from benchmarks import flush_cost
 

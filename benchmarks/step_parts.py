@@ -1,0 +1,120 @@
+"""Where an unsampled ``monitor.step()`` spends its host time, timed inside real training steps (#30).
+
+    python benchmarks/step_parts.py                       # MLP 8x512
+    python benchmarks/step_parts.py --workload transformer --steps 300
+
+Right after backward, which has swept the caches, every distinct library path a call takes costs
+tens of microseconds the first time (a numpy ufunc ~50 us, against ~2 us for the same call made
+again; benchmarks/RESULTS.md, thirty-first session), so ``step()``'s cost is mostly how many
+distinct calls it makes, not the work they do. Each part is timed by wrapping the object that owns
+it (as ``flush_cost.py`` does), on the steps of each window that are neither sampled nor the flush,
+after the first window. ``foreach_norm`` is the read of every gradient that the read floor pays too;
+the rest is gradwatch's bookkeeping. Medians in microseconds; nested parts are indented.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import workloads as W  # noqa: E402
+from benchmarks.harness import gradwatch_logger_at  # noqa: E402
+from gradwatch import GradMonitor  # noqa: E402
+from gradwatch.capture import reductions  # noqa: E402
+from gradwatch.capture.layout import planned_slots  # noqa: E402
+from gradwatch.settings import DETAILS  # noqa: E402
+
+WORKLOADS = {"mlp": W.mlp, "cnn": W.resnet, "transformer": W.transformer}
+
+
+def _timed(owner, attr: str, label: str, into: dict[str, list[float]]) -> tuple:
+    """Wrap ``owner.attr`` so that each call adds its microseconds to ``into[label]``; returns what
+    puts it back (module functions and classes are shared with the rest of the process)."""
+    inner = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+
+    @functools.wraps(inner)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            into[label].append((time.perf_counter() - start) * 1e6)
+
+    setattr(owner, attr, wrapper)
+    return owner, attr, inner
+
+
+def measure(workload, steps: int, flush_every: int = 50) -> dict[str, float]:
+    """Median microseconds of each part of ``step()`` over the unsampled, non-flush steps after the first window."""
+    torch.manual_seed(0)
+    model = workload.make_model()
+    x, y = workload.make_batch(torch.device("cpu"))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    parts: dict[str, list[float]] = defaultdict(list)
+    with tempfile.TemporaryDirectory() as logdir:
+        monitor = GradMonitor(model, logdir=logdir, flush_every=flush_every)
+        pipeline = monitor._stages.pipeline
+        recorder = pipeline.recorder
+        wrapped: list[tuple] = []
+        for owner, attr, label in (
+            (pipeline, "step", "pipeline.step"), (pipeline.watch, "repeats_last_step", "  backward witnesses: read"),
+            (recorder, "record_step", "  record_step"), (recorder, "_record_params", "    parameter gradients"),
+            (reductions, "foreach_norm", "      foreach_norm (the floor's read)"),
+            (reductions._CpuSlots, "square_into", "      squares into the row"),
+            (reductions._CpuSlots, "fix", "      finite/tiny check"), (pipeline.judge, "judge", "  per-step judgement"),
+            (pipeline.watch.backward, "remember", "  backward witnesses: remember"),
+        ):  # fmt: skip
+            wrapped.append(_timed(owner, attr, label, parts))
+        sampled = planned_slots(flush_every, DETAILS["standard"])
+        kept: dict[str, list[float]] = defaultdict(list)
+        gc.disable()
+        try:
+            for step in range(steps):
+                workload.loss(model(x), y).backward()
+                before = {label: len(values) for label, values in parts.items()}
+                monitor.step()
+                slot = step % flush_every
+                if step >= flush_every and not sampled[slot] and slot != flush_every - 1:
+                    for label, values in parts.items():
+                        kept[label] += values[before.get(label, 0):]
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if slot == 0:
+                    gc.collect()
+        finally:
+            gc.enable()
+            monitor.close()
+            for owner, attr, inner in wrapped:
+                setattr(owner, attr, inner)
+    return {label: statistics.median(values) for label, values in kept.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mlp")
+    parser.add_argument("--steps", type=int, default=300, help="training steps (default 300: five windows)")
+    args = parser.parse_args()
+    with gradwatch_logger_at(logging.ERROR):
+        result = measure(WORKLOADS[args.workload](), args.steps)
+    order = ["pipeline.step", "  backward witnesses: read", "  record_step", "    parameter gradients",
+             "      foreach_norm (the floor's read)", "      squares into the row", "      finite/tiny check",
+             "  per-step judgement", "  backward witnesses: remember"]  # fmt: skip
+    for label in order:
+        if label in result:
+            print(f"{label:42s} {result[label]:8.1f} us")
+
+
+if __name__ == "__main__":
+    main()
