@@ -17,7 +17,6 @@ thread, paid by the optimizer step after it (TensorBoard's record checksums: twe
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import os
@@ -32,25 +31,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import workloads as W  # noqa: E402
-from benchmarks.harness import gradwatch_logger_at  # noqa: E402
+from benchmarks.harness import gradwatch_logger_at, time_calls  # noqa: E402
 from gradwatch import GradMonitor  # noqa: E402
 from gradwatch.capture.layout import planned_slots  # noqa: E402
 from gradwatch.settings import DETAILS  # noqa: E402
-
-
-def _timed(owner, attr: str, label: str, into: dict[str, list[float]]) -> None:
-    """Wrap ``owner.attr`` so that each call adds its milliseconds to ``into[label]``."""
-    inner = getattr(owner, attr)
-
-    @functools.wraps(inner)
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            into[label].append((time.perf_counter() - start) * 1e3)
-
-    setattr(owner, attr, wrapper)
 
 
 #: Small batches: the flush's host work does not depend on the batch, only on layers and steps.
@@ -72,13 +56,13 @@ def measure(workload, windows: int, flush_every: int = 50, device: torch.device 
         monitor = GradMonitor(model, logdir=logdir, flush_every=flush_every, optimizer=opt)
         pipeline = monitor._stages.pipeline
         checks = pipeline.checks
-        _timed(pipeline, "flush", "whole flush", parts)
-        _timed(pipeline.reader, "read", "read (copy, reduce, decode)", parts)
-        _timed(pipeline.checks, "check", "health checks", parts)
+        time_calls(pipeline, "flush", "whole flush", parts)
+        time_calls(pipeline.reader, "read", "read (copy, reduce, decode)", parts)
+        time_calls(pipeline.checks, "check", "health checks", parts)
         for rule, label in ((checks.exploding, "judge_window"), (checks.vanishing, "judge"),
                             (checks.update_ratio, "judge"), (checks.dead, "judge")):  # fmt: skip
-            _timed(rule, label, f"  {type(rule).__name__}", parts)
-        _timed(pipeline.outputs, "write", "write (TensorBoard)", parts)
+            time_calls(rule, label, f"  {type(rule).__name__}", parts)
+        time_calls(pipeline.outputs, "write", "write (TensorBoard)", parts)
         steps: list[tuple[int, float]] = []
         optimizer_steps: list[tuple[int, float]] = []
         for step in range((windows + 1) * flush_every):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import contextlib
 import copy
 import gc
@@ -196,3 +197,22 @@ def ops_per_step(workload, contender_type, device: torch.device, window: int = 5
             contender.step()
     contender.close()
     return counter.count / counted
+
+
+def time_calls(owner, attr: str, label: str, into: dict[str, list[float]], unit: float = 1e3) -> tuple:
+    """Wrap ``owner.attr`` (a bound object's method, a module's function, or a class's method) so
+    that each call adds its time to ``into[label]``, in seconds times ``unit`` (1e3: milliseconds).
+    Returns ``(owner, attr, original)``: ``setattr(*it)`` puts it back (modules and classes are
+    shared with the rest of the process)."""
+    inner = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+
+    @functools.wraps(inner)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            into[label].append((time.perf_counter() - start) * unit)
+
+    setattr(owner, attr, wrapper)
+    return owner, attr, inner

@@ -7,7 +7,7 @@ Right after backward, which has swept the caches, every distinct library path a 
 tens of microseconds the first time (a numpy ufunc ~50 us, against ~2 us for the same call made
 again; benchmarks/RESULTS.md, thirty-first session), so ``step()``'s cost is mostly how many
 distinct calls it makes, not the work they do. Each part is timed by wrapping the object that owns
-it (as ``flush_cost.py`` does), on the steps of each window that are neither sampled nor the flush,
+it (``harness.time_calls``, as ``flush_cost.py`` does), on the steps of each window that are neither sampled nor the flush,
 after the first window. ``foreach_norm`` is the read of every gradient that the read floor pays too;
 the rest is gradwatch's bookkeeping. Medians in microseconds; nested parts are indented.
 """
@@ -15,14 +15,12 @@ the rest is gradwatch's bookkeeping. Medians in microseconds; nested parts are i
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import logging
 import os
 import statistics
 import sys
 import tempfile
-import time
 from collections import defaultdict
 
 import torch
@@ -30,30 +28,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import workloads as W  # noqa: E402
-from benchmarks.harness import gradwatch_logger_at  # noqa: E402
+from benchmarks.harness import gradwatch_logger_at, time_calls  # noqa: E402
 from gradwatch import GradMonitor  # noqa: E402
 from gradwatch.capture import reductions  # noqa: E402
 from gradwatch.capture.layout import planned_slots  # noqa: E402
 from gradwatch.settings import DETAILS  # noqa: E402
 
 WORKLOADS = {"mlp": W.mlp, "cnn": W.resnet, "transformer": W.transformer}
-
-
-def _timed(owner, attr: str, label: str, into: dict[str, list[float]]) -> tuple:
-    """Wrap ``owner.attr`` so that each call adds its microseconds to ``into[label]``; returns what
-    puts it back (module functions and classes are shared with the rest of the process)."""
-    inner = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-
-    @functools.wraps(inner)
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            into[label].append((time.perf_counter() - start) * 1e6)
-
-    setattr(owner, attr, wrapper)
-    return owner, attr, inner
 
 
 def measure(workload, steps: int, flush_every: int = 50) -> dict[str, float]:
@@ -76,7 +57,7 @@ def measure(workload, steps: int, flush_every: int = 50) -> dict[str, float]:
             (reductions._CpuSlots, "fix", "      finite/tiny check"), (pipeline.judge, "judge", "  per-step judgement"),
             (pipeline.watch.backward, "remember", "  backward witnesses: remember"),
         ):  # fmt: skip
-            wrapped.append(_timed(owner, attr, label, parts))
+            wrapped.append(time_calls(owner, attr, label, parts, unit=1e6))
         sampled = planned_slots(flush_every, DETAILS["standard"])
         kept: dict[str, list[float]] = defaultdict(list)
         gc.disable()
