@@ -326,14 +326,17 @@ class ForwardAliases:
         #: [A] the alias layers' columns and [A] the columns whose sums they take (empty: none)
         self.alias = np.array([a for a, _ in pairs], dtype=np.int64)
         self.target = np.array([t for _, t in pairs], dtype=np.int64)
+        self._pairs = pairs
         self._alias_t, self._target_t = (torch.from_numpy(cols).to(device) for cols in (self.alias, self.target))
 
     def __bool__(self) -> bool:
         return len(self.alias) > 0
 
     def fill(self, forward: np.ndarray) -> None:
-        """[..., L] host forward sums: each alias column takes its target's, in place."""
-        forward[..., self.alias] = forward[..., self.target]
+        """[L] one step's host forward sums: each alias column takes its target's, in place (item by
+        item: a few scalar stores, where fancy indexing is a cold numpy path at every step)."""
+        for alias, target in self._pairs:
+            forward[alias] = forward[target]
 
     def fill_rows(self, forward: torch.Tensor) -> None:
         """[steps, L] forward sums in the buffer (any device): the same, in place; two ops."""
