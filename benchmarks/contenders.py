@@ -245,9 +245,7 @@ class ReadOnceFloor(Contender):
         ]
 
     def _forward_hook(self, module, args, output):
-        out = output if isinstance(output, torch.Tensor) else next(
-            (t for t in output if isinstance(t, torch.Tensor)), None
-        )
+        out = _first_tensor(output)
         if out is None:
             return
         self.results.append(out.detach().sum())
@@ -315,15 +313,11 @@ class DefaultStepFloor(Contender):
         self.handles = [m.register_forward_hook(self._forward_hook) for m in _layers(model)]
 
     def _forward_hook(self, module, args, output):
-        # A layer that returns a tuple (MultiheadAttention: output and weights) is checked on its
-        # first tensor, as gradwatch checks it (``layers.grad_tensors``).
-        if not isinstance(output, torch.Tensor):
-            output = next((t for t in output if isinstance(t, torch.Tensor)), None) if isinstance(
-                output, (tuple, list)) else None  # fmt: skip
-            if output is None or not output.is_floating_point():
-                return
+        out = _first_tensor(output)
+        if out is None or not out.is_floating_point():
+            return
         torch._C._set_grad_enabled(False)
-        self.results.append(output.sum())
+        self.results.append(out.sum())
         torch._C._set_grad_enabled(True)
 
     def after_backward(self):
@@ -338,6 +332,16 @@ class OutputReadFloor(DefaultStepFloor):
 
     def after_backward(self):
         self.results.clear()
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    """A layer's output tensor; of a tuple or list (MultiheadAttention: output and weights), its first
+    tensor, as gradwatch checks it (``layers.grad_tensors``)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        return next((t for t in output if isinstance(t, torch.Tensor)), None)
+    return None
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import collections
-import functools
 import contextlib
 import copy
+import functools
 import gc
 import logging
 import statistics

@@ -161,7 +161,22 @@ class RecordingFlags:
             self.grads_through_function = any(getattr(c, "use_cache", False) for c in self.cache_configs)
 
 
-class OutputTap:
+class InertWhenCopied:
+    """A hook whose copies do nothing. A copy of the model (copy.deepcopy: an EMA model, a reference
+    twin; pickling for torch.save(model)) copies its hook dicts: the copy's modules must not record
+    into this monitor, so they get a hook that does nothing (:func:`inert_hook`)."""
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return inert_hook
+
+    def __copy__(self) -> Any:
+        return inert_hook
+
+    def __reduce__(self) -> tuple:
+        return (_inert, ())
+
+
+class OutputTap(InertWhenCopied):
     """Forward hook of one layer: the forward non-finite check at every step, and on sampled
     steps the forward order and a tensor hook on the output for its gradient's statistics.
 
@@ -244,10 +259,8 @@ class OutputTap:
         return None
 
     def _record_eagerly(self, output: Any) -> Any:
-        """An eager call: on an unsampled step, a plain tensor output of a layer no other tap records
-        takes the forward check alone, without the general path's calls (this runs at every layer
-        call of every step, between the model's own ops, where each Python call costs several times
-        its price in a loop: benchmarks/RESULTS.md, thirty-first session)."""
+        """Eager: on an unsampled step a plain tensor output of a layer no other tap records takes the
+        forward check alone, without the general path's calls (~6 us less a layer call in context)."""
         flags = self.shared.flags
         if flags._sampling or type(output) is not torch.Tensor or self.alias_taps:
             return self._record_outputs(output)
@@ -406,18 +419,6 @@ class OutputTap:
             torch.sum(out, dim=None, dtype=torch.float32, out=self.step_sum)
         else:
             self.step_sum.add_(out.sum(dtype=torch.float32))
-
-    # A copy of the model (copy.deepcopy: an EMA model, a reference twin; pickling for
-    # torch.save(model)) copies its hook dicts: the copy's modules must not record into this
-    # monitor, so they get a hook that does nothing.
-    def __deepcopy__(self, memo: dict) -> Any:
-        return inert_hook
-
-    def __copy__(self) -> Any:
-        return inert_hook
-
-    def __reduce__(self) -> tuple:
-        return (_inert, ())
 
 
 def _forward_sum(local: torch.Tensor) -> torch.Tensor:
