@@ -108,3 +108,26 @@ def test_each_output_statistic_written_into_its_cells_equals_its_stacked_accumul
             want = expected if not np.isfinite(expected) else pytest.approx(expected, rel=1e-6)
             for got in (cells[0].item(), stacked[0].item()):
                 assert (np.isnan(got) and np.isnan(expected)) or got == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_cpu_zero_count_is_exact_at_any_share_of_zeros_layout_and_size(dtype, monkeypatch):
+    # The CPU counts a large output's non-zero elements on the bits of its magnitude (the float count
+    # branches per element: ~7x slower on a ReLU's output): -0.0 is a zero, NaN, Inf and subnormals are
+    # not, whatever the layout; pieces of a huge output add up. Against a float64 comparison.
+    torch.manual_seed(0)
+    values = torch.randn(8, 16, 32, 32, dtype=torch.float64)  # 131072 elements: past the threshold
+    values = torch.where(values < 0, torch.zeros(()), values)  # a ReLU's: half zero
+    flat = values.view(-1)
+    flat[:100] = -0.0
+    flat[100], flat[101], flat[102] = float("nan"), float("inf"), -float("inf")
+    flat[103] = torch.finfo(dtype).smallest_normal / 4 if dtype != torch.bfloat16 else 1e-40  # subnormal
+    out = values.to(dtype)
+    assert out.numel() >= outputs._NONZERO_MIN
+    laid_out = (out, out.to(memory_format=torch.channels_last), out.transpose(1, 3))
+    for chunk in (outputs._NONZERO_CHUNK, 10_000):  # whole, then in pieces (non-contiguous: the float count)
+        monkeypatch.setattr(outputs, "_NONZERO_CHUNK", chunk)
+        for x in laid_out:
+            (count,) = outputs._nonzeros(x, torch.float64, True)
+            assert count.item() == int((x.double() != 0).sum()) == int((values.to(dtype).double() != 0).sum())
+            assert outputs.accumulate_all(x, torch.float64)[1].item() == count.item()
