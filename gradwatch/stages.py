@@ -77,7 +77,7 @@ def connect(model: nn.Module, layers: list[LayerSpec], recorder: Recorder, colle
                                 outputs, config, failures, flush_every, scaler, histograms)  # fmt: skip
         pipeline.layers, pipeline.optimizer = layers, optimizer
         stages = Stages(names, detection, watch, outputs, pipeline, None, is_writer)
-        stages.hooks = HookSet(model, layers, recorder.cells.taps)
+        stages.hooks = HookSet(model, layers, recorder.cells.taps, recorder.layout.forward_aliases)
         watch.model_code = stages.hooks.model_code
         recorder.flags.watch_cache_switch(model)
     except BaseException:

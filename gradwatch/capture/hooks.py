@@ -18,18 +18,26 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import _compat as compiled
-from .layers import LayerSpec, output_aliases
+from .layers import ForwardAliases, LayerSpec
 
 if TYPE_CHECKING:
     from .taps import OutputTap
 
 
 class HookSet:
-    """The forward hooks gradwatch registered; ``remove()`` takes every one of them off."""
+    """The forward hooks gradwatch registered; ``remove()`` takes every one of them off.
 
-    def __init__(self, model: nn.Module, layers: list[LayerSpec], taps: list["OutputTap"]) -> None:
+    Args:
+        model: the monitored model (its code objects, which dynamo may have compiled without the hooks).
+        layers: the monitored layers, one tap each.
+        taps: the layers' forward hooks, in the same order.
+        aliases: the layers whose forward check another layer's tap takes (the layout's).
+    """
+
+    def __init__(self, model: nn.Module, layers: list[LayerSpec], taps: list["OutputTap"],
+                 aliases: ForwardAliases) -> None:  # fmt: skip
         self._handles: list[RemovableHandle] = []
-        for index, targets in output_aliases(layers).items():
+        for index, targets in aliases.by_checker.items():
             taps[index].alias_taps = tuple(taps[t] for t in targets)
         compiled.guard_on_hooks()
         self._guarding = True

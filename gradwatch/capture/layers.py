@@ -322,7 +322,10 @@ class ForwardAliases:
     """
 
     def __init__(self, layers: list[LayerSpec], device: torch.device) -> None:
-        pairs = sorted((alias, target) for target, aliases in output_aliases(layers).items() for alias in aliases)
+        #: {a layer that sums the output: the layers whose forward check it is} (``HookSet`` hands the
+        #: taps their ``alias_taps`` from it)
+        self.by_checker = output_aliases(layers)
+        pairs = sorted((alias, target) for target, aliases in self.by_checker.items() for alias in aliases)
         #: [A] the alias layers' columns and [A] the columns whose sums they take (empty: none)
         self.alias = np.array([a for a, _ in pairs], dtype=np.int64)
         self.target = np.array([t for _, t in pairs], dtype=np.int64)
