@@ -89,10 +89,12 @@ def compiled_section(rounds: int, warmup: int, device: torch.device, sync=None) 
     return figures
 
 
-#: The contenders of the steady-state section: gradwatch's default against its read floor, the usual
-#: alternative, and the noise floor.
+#: The contenders of the steady-state section: gradwatch's default against its read floors (the
+#: per-step reads; the contract's reads and writes over whole windows), the usual alternative, and
+#: the noise floor.
 STEADY_CONTENDERS = [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(50), C.DefaultStepFloor,
-                     C.LightningGradNorm, C.gradwatch_contender(50, heatmap_budget=0.01)]  # fmt: skip
+                     C.ContractReadFloor, C.LightningGradNorm,
+                     C.gradwatch_contender(50, heatmap_budget=0.01)]  # fmt: skip
 
 
 def steady_section(windows: int, device: torch.device, flush_every: int = 50,
@@ -118,7 +120,7 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50,
             figures[workload.name][r.name] = {"mean_ratio": r.mean / base.mean, "paired_median": paired[0]}
             print(f"{r.name:36s} mean ratio {r.mean / base.mean:6.3f}   paired median {paired[0]:6.3f} "
                   f"[{paired[1]:.3f}, {paired[2]:.3f}]", flush=True)  # fmt: skip
-        for watched in (r for r in results if r.name.startswith("gradwatch")):
+        for watched in (r for r in results if r.name.startswith(("gradwatch", "contract"))):
             parts = window_parts(results[0], results[1], watched, flush_every)
             figures[workload.name][f"parts of {watched.name}"] = parts
             print(f"  where {watched.name}'s mean goes, points of the unmonitored time (A/A in brackets): "

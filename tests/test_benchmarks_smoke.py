@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from benchmarks import breakdown as B
@@ -206,3 +207,34 @@ def test_flush_cost_times_every_part_of_the_flush_inside_it():
     # each flush holds its own read, checks and write, so its median is at least each of theirs
     assert all(ms["whole flush"] >= ms[part] for part in parts)
     assert ms["flush step()"] >= ms["whole flush"]
+
+
+def test_contract_read_floor_writes_what_the_default_writes():
+    # The contract's read floor (benchmarks/contenders.py) stands for the reads and writes of the
+    # contract's default without its bookkeeping: over two windows it writes the same tags, at the same
+    # steps, with the same values as gradwatch's default (float32 reductions: to ~1e-5), a
+    # MultiheadAttention's out_proj included.
+    import copy
+
+    from .conftest import read_scalars
+
+    tiny = W.transformer(d_model=16, seq=4, batch=2, layers=1)
+    torch.manual_seed(0)
+    base = tiny.make_model()
+    floor = C.ContractReadFloor(copy.deepcopy(base), tiny, _CPU)
+    watched = C.gradwatch_contender(50)(copy.deepcopy(base), tiny, _CPU)
+    watched.batch = floor.batch
+    for _ in range(100):
+        floor.step()
+        watched.step()
+    floor.sink.writer.flush()
+    watched.monitor.close()
+    ours, theirs = read_scalars(floor.logdir), read_scalars(watched.logdir)
+    floor.close()
+    watched.close()
+    assert set(ours) == set(theirs) - {"gradwatch/global/alerts"}
+    assert any("out_proj" in tag and "act_rms" in tag for tag in ours)
+    for tag, values in ours.items():
+        assert set(values) == set(theirs[tag]), tag
+        for step, value in values.items():
+            assert value == pytest.approx(theirs[tag][step], rel=1e-4, abs=1e-6), (tag, step)
