@@ -13,6 +13,9 @@ import torch
 from torch import nn
 
 from gradwatch import GradMonitor, HealthConfig
+from gradwatch.capture.column_groups import CPU_LARGE
+from gradwatch.capture.reductions import _cpu_abs_max
+from gradwatch.registry import outputs
 
 
 class Contender:
@@ -315,11 +318,14 @@ class DefaultStepFloor(Contender):
 
     def _forward_hook(self, module, args, output):
         out = _first_tensor(output)
-        if out is None or not out.is_floating_point():
-            return
-        torch._C._set_grad_enabled(False)
+        if out is not None and out.is_floating_point():
+            torch._C._set_grad_enabled(False)
+            self._read(module, out)
+            torch._C._set_grad_enabled(True)
+
+    def _read(self, module: nn.Module, out: torch.Tensor) -> None:
+        """A layer's output, read with grad mode off."""
         self.results.append(out.sum())
-        torch._C._set_grad_enabled(True)
 
     def after_backward(self):
         self.results.extend(torch._foreach_norm([p.grad for p in self.params if p.grad is not None], 2))
@@ -354,6 +360,7 @@ class ContractReadFloor(DefaultStepFloor):
 
     def __init__(self, model, workload, device, flush_every: int = 50):
         super().__init__(model, workload, device)
+        from gradwatch.capture.layers import discover_layers
         from gradwatch.capture.layout import planned_slots
         from gradwatch.settings import DETAILS
         from gradwatch.sinks.event_writer import summary_writer
@@ -361,13 +368,14 @@ class ContractReadFloor(DefaultStepFloor):
 
         self.flush_every, self.slot, self.steps = flush_every, 0, 0
         self.sampled = planned_slots(flush_every, DETAILS["standard"])
-        layers = _layers(model)
-        self.names = [name for name, m in model.named_modules() if m in set(layers)]
-        owner = [i for i, m in enumerate(layers) for p in m.parameters(recurse=False) if p.requires_grad]
-        self.owner, self.sizes = np.array(owner), np.array([p.numel() for p in self.params], dtype=np.float64)
-        self.unit_dim = {id(m): 1 if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.modules.batchnorm._BatchNorm))
-                         else -1 for m in layers}  # fmt: skip
-        self.index = {id(m): i for i, m in enumerate(layers)}
+        # the contract's layers, names and units as gradwatch finds them
+        self.layers = discover_layers(model)
+        self.names = [layer.name for layer in self.layers]
+        layer_of = {id(p): i for i, layer in enumerate(self.layers) for p in layer.params}
+        self.owner = np.array([layer_of[id(p)] for p in self.params])
+        self.sizes = np.array([p.numel() for p in self.params], dtype=np.float64)
+        self.index = {id(layer.module): i for i, layer in enumerate(self.layers)}
+        layers = [layer.module for layer in self.layers]
         # a MultiheadAttention's output is its out_proj's (applied functionally): read once, written for both
         self.alias = {id(m): (self.index[id(m)], self.index[id(m.out_proj)]) for m in layers
                       if isinstance(m, nn.MultiheadAttention) and id(m.out_proj) in self.index}  # fmt: skip
@@ -377,7 +385,7 @@ class ContractReadFloor(DefaultStepFloor):
         self.table = torch.zeros(self.flush_every, len(self.params))
         self.rows = list(self.table.unbind(0))
         # the maxima come small tensors first: each one's layer, in that order
-        small_first = sorted(range(len(self.params)), key=lambda k: self.params[k].numel() >= 32768)
+        small_first = sorted(range(len(self.params)), key=lambda k: self.params[k].numel() >= CPU_LARGE)
         self.max_owner = self.owner[small_first]
         self._projections: dict[int, torch.Tensor] = {}
         self._window()
@@ -387,19 +395,16 @@ class ContractReadFloor(DefaultStepFloor):
         self.outputs: list[dict[int, tuple]] = []  # per sampled step: layer -> (sumsq, nonzeros, numel)
         self.out_grads: list[dict[int, tuple]] = []  # per sampled step: layer -> (sum of squares, per-unit norms)
 
-    def _forward_hook(self, module, args, output):
-        super()._forward_hook(module, args, output)
-        out = _first_tensor(output)
-        if not self.sampled[self.slot] or out is None or not out.is_floating_point():
+    def _read(self, module: nn.Module, out: torch.Tensor) -> None:
+        super()._read(module, out)
+        if not self.sampled[self.slot]:
             return
         layers = self.alias.get(id(module), (self.index[id(module)],))
-        torch._C._set_grad_enabled(False)
-        read = (_square_sum(out), _nonzeros(out), out.numel())
-        torch._C._set_grad_enabled(True)
+        read = (_square_sum(out), outputs._nonzeros(out, torch.float64, True)[0], out.numel())
         for layer in layers:
             self.outputs[-1][layer] = read
-        if out.requires_grad:
-            dim = self.unit_dim[id(module)] % out.ndim
+        if out.requires_grad and out.ndim:
+            dim = self.layers[layers[0]].unit_dim(out.ndim) % out.ndim
             out.register_hook(lambda g: self._grad_hook(g, layers, dim))
 
     def _grad_hook(self, grad: torch.Tensor, layers: tuple[int, ...], dim: int) -> None:
@@ -425,12 +430,13 @@ class ContractReadFloor(DefaultStepFloor):
         return weights
 
     def _max_abs(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each gradient's max |g| the cheapest way on the CPU (its inf-norm kernel is ~8x slower
-        than ``aminmax``): ``aminmax`` of the large ones, one foreach max of the small ones' |g|."""
-        small = [g for g in grads if g.numel() < 32768]
-        maxima = torch._foreach_max(torch._foreach_abs(small)) if small else []
-        large = [torch.aminmax(g.view(-1)) for g in grads if g.numel() >= 32768]
-        return list(maxima) + [torch.maximum(hi, -lo) for lo, hi in large]
+        """Each gradient's max |g| the cheapest way on the CPU, as gradwatch's CPU path takes it (its
+        inf-norm kernel is ~8x slower than ``aminmax``): ``aminmax`` of the large ones, one foreach
+        max of the small ones' |g| (``capture.reductions``)."""
+        small = [g for g in grads if g.numel() < CPU_LARGE]
+        maxima = list(_cpu_abs_max(small).unbind()) if small else []
+        large = [torch.aminmax(g.view(-1)) for g in grads if g.numel() >= CPU_LARGE]
+        return maxima + [torch.maximum(hi, -lo) for lo, hi in large]
 
     def step(self):
         if self.sampled[self.slot]:
@@ -505,14 +511,6 @@ def _square_sum(x: torch.Tensor) -> torch.Tensor:
         flat = x.view(-1)
         return torch.dot(flat, flat)
     return torch.linalg.vector_norm(x).square()
-
-
-def _nonzeros(x: torch.Tensor) -> torch.Tensor:
-    """The cheapest exact zero count of a float32 tensor on the CPU: on the bits of its magnitude (the
-    float count branches per element; ``registry.outputs._cpu_nonzeros`` says why)."""
-    if x.dtype == torch.float32:
-        return torch.count_nonzero(x.abs().view(torch.int32))
-    return torch.count_nonzero(x)
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:
