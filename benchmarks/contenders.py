@@ -354,11 +354,15 @@ class ContractReadFloor(DefaultStepFloor):
     checks, the per-step judgement and its read-back, the heatmap image (a budget of 0.25% of the
     wall time). One reduction per statistic, the cheapest known on the CPU, in the tensor's dtype (not
     exact ones); the norms of a step stacked into a table made once (one op: kept as 0-d tensors for a
-    window instead, the heap's small blocks slowed the optimizer's step after them by 0.2-0.6 ms)."""
+    window instead, the heap's small blocks slowed the optimizer's step after them by 0.2-0.6 ms).
+    Device-agnostic (``gpu_check.py`` runs it on CUDA): there max |g| is one foreach inf-norm, as
+    gradwatch takes it off the CPU, and the flush copies the window's values to the host at once."""
 
     name = "contract's read floor (no bookkeeping)"
 
-    def __init__(self, model, workload, device, flush_every: int = 50):
+    def __init__(self, model, workload, device, flush_every: int = 50, cpu_reductions: bool | None = None):
+        """``cpu_reductions``: take max |g| the CPU's way (None: where the device is the CPU; False on
+        the CPU runs the device path on CPU tensors, as the smoke test does)."""
         super().__init__(model, workload, device)
         from gradwatch.capture.layers import discover_layers
         from gradwatch.capture.layout import planned_slots
@@ -382,11 +386,13 @@ class ContractReadFloor(DefaultStepFloor):
         self.logdir = tempfile.mkdtemp(prefix="contract-floor-bench-")
         self.sink = TensorBoardSink(summary_writer(self.logdir), owns_writer=True, heatmap=False)
         #: per step: the parameter gradients' norms (rows as views made once: a slice is an op)
-        self.table = torch.zeros(self.flush_every, len(self.params))
+        self.table = torch.zeros(self.flush_every, len(self.params), device=device)
         self.rows = list(self.table.unbind(0))
-        # the maxima come small tensors first: each one's layer, in that order
-        small_first = sorted(range(len(self.params)), key=lambda k: self.params[k].numel() >= CPU_LARGE)
-        self.max_owner = self.owner[small_first]
+        self.on_cpu = torch.device(device).type == "cpu" if cpu_reductions is None else cpu_reductions
+        # on the CPU the maxima come small tensors first (``_max_abs``): each one's layer, in that order
+        order = range(len(self.params))
+        self.max_owner = self.owner[sorted(order, key=lambda k: self.params[k].numel() >= CPU_LARGE)
+                                    if self.on_cpu else list(order)]  # fmt: skip
         self._projections: dict[int, torch.Tensor] = {}
         self._window()
 
@@ -426,13 +432,15 @@ class ContractReadFloor(DefaultStepFloor):
     def _weights(self, n: int) -> torch.Tensor:
         weights = self._projections.get(n)
         if weights is None:
-            weights = self._projections[n] = torch.randn(1, n)
+            weights = self._projections[n] = torch.randn(1, n, device=self.device)
         return weights
 
     def _max_abs(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each gradient's max |g| the cheapest way on the CPU, as gradwatch's CPU path takes it (its
-        inf-norm kernel is ~8x slower than ``aminmax``): ``aminmax`` of the large ones, one foreach
-        max of the small ones' |g| (``capture.reductions``)."""
+        """Each gradient's max |g| the cheapest way, as gradwatch takes it: on the CPU (whose inf-norm
+        kernel is ~8x slower than ``aminmax``) ``aminmax`` of the large ones and one foreach max of
+        the small ones' |g| (``capture.reductions``); elsewhere one foreach inf-norm."""
+        if not self.on_cpu:
+            return list(torch._foreach_norm(grads, float("inf")))
         small = [g for g in grads if g.numel() < CPU_LARGE]
         maxima = list(_cpu_abs_max(small).unbind()) if small else []
         large = [torch.aminmax(g.view(-1)) for g in grads if g.numel() >= CPU_LARGE]
@@ -459,14 +467,15 @@ class ContractReadFloor(DefaultStepFloor):
 
     def flush(self) -> None:
         """The window's values to the host and its scalars written; then a new window."""
-        sq = self.table[: self.slot].double().square().numpy()
+        sq = self.table[: self.slot].double().square().cpu().numpy()
         if len(sq):
+            sampled_values = self._sampled_to_host()
             layers = len(self.names)
             per_layer = np.zeros((len(sq), layers))
             np.add.at(per_layer.T, self.owner, sq.T)
             counts = np.bincount(self.owner, self.sizes, layers)
             norm, rms = np.sqrt(per_layer), np.log10(np.sqrt(per_layer / counts) + 1e-45)
-            sampled_steps = iter(zip(self.outputs, self.out_grads, self.maxima))
+            sampled_steps = iter(sampled_values)
             evidence = []
             for t in range(len(sq)):
                 total = float(np.sqrt(sq[t].sum()))
@@ -478,7 +487,7 @@ class ContractReadFloor(DefaultStepFloor):
                 if self.sampled[t]:
                     outputs, out_grads, maxima = next(sampled_steps)
                     per_layer_max = np.zeros(len(self.names))
-                    np.maximum.at(per_layer_max, self.max_owner, torch.stack(maxima).numpy())
+                    np.maximum.at(per_layer_max, self.max_owner, maxima)
                     for i, name in enumerate(self.names):
                         if i in outputs:
                             s, nz, n = outputs[i]
@@ -486,7 +495,7 @@ class ContractReadFloor(DefaultStepFloor):
                                        (f"gradwatch/act_zero_fraction/{name}", 1 - float(nz) / n)]  # fmt: skip
                         if i in out_grads:
                             values.append((f"gradwatch/out_grad_norm/{name}", float(out_grads[i][0]) ** 0.5))
-                            evidence.append((i, out_grads[i][1].numpy() == 0))
+                            evidence.append((i, out_grads[i][1] == 0))
                     values += [(f"gradwatch/grad_max/{n}", float(m)) for n, m in zip(self.names, per_layer_max)]
                 self.sink._add_scalars(values, self.steps + t)
             dead: dict[int, np.ndarray] = {}
@@ -497,6 +506,24 @@ class ContractReadFloor(DefaultStepFloor):
             self.steps += len(sq)
         self.slot = 0
         self._window()
+
+    def _sampled_to_host(self) -> list[tuple[dict, dict, np.ndarray]]:
+        """The sampled steps' values on the host, in one copy (one sync on a device): per step, the
+        outputs' (sum of squares, non-zeros, elements) and output gradients' (sum of squares, unit
+        evidence) by layer as floats and arrays, and the maxima."""
+        tensors = [t for outs, grads, maxima in zip(self.outputs, self.out_grads, self.maxima)
+                   for t in [*(v for s, nz, n in outs.values() for v in (s, nz)),
+                             *(v for s, units in grads.values() for v in (s, units)), *maxima]]  # fmt: skip
+        if not tensors:
+            return []
+        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu().numpy()
+        pieces = iter(np.split(flat, np.cumsum([t.numel() for t in tensors])[:-1]))
+        host = []
+        for outs, grads, maxima in zip(self.outputs, self.out_grads, self.maxima):
+            outs_host = {i: (float(next(pieces)[0]), float(next(pieces)[0]), n) for i, (_, _, n) in outs.items()}
+            grads_host = {i: (float(next(pieces)[0]), next(pieces)) for i in grads}
+            host.append((outs_host, grads_host, np.array([next(pieces)[0] for _ in maxima])))
+        return host
 
     def close(self):
         super().close()

@@ -10,7 +10,7 @@
    synchronising call raises.
 2. Device ops: aten ops per step of the default against an unmonitored step (the MLP and the
    Transformer; #30 asks +5%), and a launch-bound step (MLP 8x64, batch 8): gradwatch's ratio
-   beside the default's read floor, and the host time of ``monitor.step()`` on unsampled steps.
+   beside the default's per-step read floor and the contract's (``ContractReadFloor``), and the host time of ``monitor.step()`` on unsampled steps.
    What the device runs (kernels, memcpys, memsets, by ``torch.profiler``) in one unsampled and
    one sampled step, against the unmonitored step (``kernel_count.py``): aten ops are not always
    one launch each.
@@ -18,7 +18,8 @@
    the queued steps to finish, the one sync of a window).
 3. Overhead: the interleaved ratio (and paired per-round ratio) to an unmonitored copy, steps
    timed with synchronize: the standard workloads eager, and compiled (gradwatch compiled into
-   the model against the same model compiled without it, the read floor beside it). Without
+   the model against the same model compiled without it, the read floor beside it; eager, the
+   contract's read floor too: what the default must read and write over whole windows). Without
    ``--quick`` every contender of the CPU tables, the depth sweep and the real models too.
 
 The device's budget is short (15 minutes a session in this project, the machine's start
@@ -55,10 +56,11 @@ from benchmarks.harness import (  # noqa: E402
     measure,
 )
 
-#: The contenders of the quick eager tables: the noise floor, the default, its read floor, and the
-#: per-step alternative users pick (Lightning's grad_norm logged every step).
+#: The contenders of the quick eager tables: the noise floor, the default, its per-step read floor and
+#: the contract's (whole windows: sampled steps and flushes too; #30's target is stated against it),
+#: and the per-step alternative users pick (Lightning's grad_norm logged every step).
 QUICK_CONTENDERS = [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(50), C.DefaultStepFloor,
-                    C.LightningGradNorm]  # fmt: skip
+                    C.ContractReadFloor, C.LightningGradNorm]  # fmt: skip
 #: The compiled contenders of the quick tables: each is one compile of the model (tens of seconds), so
 #: no A/A copy here; the compiled tables come last, where a run cut short loses the least.
 QUICK_COMPILED = [C.compiled(C.Unmonitored, "none, compiled"),
@@ -96,12 +98,14 @@ def no_sync_check(workload, device: torch.device, steps: int = 30, detail: str =
 
 def launch_bound(device: torch.device, rounds: int = 200, workload=None) -> dict[str, Any]:
     """A step bound by launching kernels (an MLP 8x64 at batch 8: microseconds of device work per
-    kernel): gradwatch's ratio beside the default's read floor, and the host time of ``step()`` on
+    kernel): gradwatch's ratio beside the default's read floors (per step; the contract's, whole
+    windows), and the host time of ``step()`` on
     steps that are not sampled, timed in context (no synchronize inside it)."""
     from gradwatch import GradMonitor
 
     workload = workload or W.mlp(depth=8, width=64, batch=8)
-    contenders = [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(50), C.DefaultStepFloor]
+    contenders = [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(50), C.DefaultStepFloor,
+                  C.ContractReadFloor]  # fmt: skip
     results = measure(workload, contenders, rounds, 20, device, sync=_sync(device))
     print(format_table(f"{workload.name} (launch-bound)", results), flush=True)
     torch.manual_seed(0)

@@ -209,11 +209,13 @@ def test_flush_cost_times_every_part_of_the_flush_inside_it():
     assert ms["flush step()"] >= ms["whole flush"]
 
 
-def test_contract_read_floor_writes_what_the_default_writes():
+@pytest.mark.parametrize("cpu_reductions", [True, False], ids=["cpu-reductions", "device-reductions"])
+def test_contract_read_floor_writes_what_the_default_writes(cpu_reductions):
     # The contract's read floor (benchmarks/contenders.py) stands for the reads and writes of the
     # contract's default without its bookkeeping: over two windows it writes the same tags, at the same
     # steps, with the same values as gradwatch's default (float32 reductions: to ~1e-5), a
-    # MultiheadAttention's out_proj included.
+    # MultiheadAttention's out_proj included. Both its max |g| paths: the CPU's and, on CPU tensors,
+    # the one gpu_check.py runs on a device.
     import copy
 
     from .conftest import read_scalars
@@ -221,7 +223,7 @@ def test_contract_read_floor_writes_what_the_default_writes():
     tiny = W.transformer(d_model=16, seq=4, batch=2, layers=1)
     torch.manual_seed(0)
     base = tiny.make_model()
-    floor = C.ContractReadFloor(copy.deepcopy(base), tiny, _CPU)
+    floor = C.ContractReadFloor(copy.deepcopy(base), tiny, _CPU, cpu_reductions=cpu_reductions)
     watched = C.gradwatch_contender(50)(copy.deepcopy(base), tiny, _CPU)
     watched.batch = floor.batch
     for _ in range(100):
