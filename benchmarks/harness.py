@@ -120,6 +120,28 @@ def paired_ratio(result: Result, base: Result, resamples: int = 2000) -> tuple[f
     return float(np.median(ratios)), float(low), float(high)
 
 
+def window_gap(base: Result, first: Result, second: Result, window: int,
+               resamples: int = 2000) -> tuple[float, float, float, int]:  # fmt: skip
+    """How far ``first`` is above ``second`` over whole windows of ``window`` rounds (rounds start at
+    a window's first step), in points of the unmonitored time: per window, (first's time - second's)
+    / base's time x 100; their mean over the windows with a bootstrap 95% interval (resampling whole
+    windows, which each hold their sampled steps and flush), and the number of windows. A window is
+    the unit a "within N points of the floor" claim is about; its interval says whether the run
+    can tell."""
+    import numpy as np
+
+    n = len(base.times) // window
+    if n == 0:
+        return float("nan"), float("nan"), float("nan"), 0
+    shape = (n, window)
+    b, f, s = (np.asarray(r.times[: n * window]).reshape(shape).sum(axis=1) for r in (base, first, second))
+    gaps = (f - s) / b * 100
+    rng = np.random.default_rng(0)
+    means = rng.choice(gaps, size=(resamples, n)).mean(axis=1)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return float(gaps.mean()), float(low), float(high), n
+
+
 def figure_table(results: list[Result]) -> dict[str, dict]:
     """Each contender's figures against the first (the unmonitored one), for a JSON report."""
     base = results[0]

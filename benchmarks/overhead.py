@@ -38,6 +38,7 @@ from benchmarks.harness import (  # noqa: E402
     ops_per_step,
     paired_ratio,
     per_layer_us,
+    window_gap,
 )
 
 #: The contenders of the real-model tables (each step takes 0.2-0.5 s on 2 CPU cores).
@@ -104,8 +105,9 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50,
     out, ~0.5 s; the second draws it again, since the first drawing is no measure of the next
     one's cost; after that the image is drawn within its budget). The mean ratio then holds each
     window's sampled steps and its flush in their real proportion, which the paired median (a
-    typical, unsampled step) does not see. ``workloads``: names of the standard workloads to run
-    (default all three)."""
+    typical, unsampled step) does not see. Then gradwatch's gap to the contract's floor over whole
+    windows with its interval, beside the A/A control's (``harness.window_gap``: what one run can
+    resolve). ``workloads``: names of the standard workloads to run (default all three)."""
     print(f"\n# steady state: {windows} whole windows of {flush_every} steps after the first two; mean ratios")
     figures = {}
     for workload in W.standard():
@@ -120,6 +122,13 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50,
             figures[workload.name][r.name] = {"mean_ratio": r.mean / base.mean, "paired_median": paired[0]}
             print(f"{r.name:36s} mean ratio {r.mean / base.mean:6.3f}   paired median {paired[0]:6.3f} "
                   f"[{paired[1]:.3f}, {paired[2]:.3f}]", flush=True)  # fmt: skip
+        by_name = {r.name: r for r in results}
+        gradwatch, control = by_name[STEADY_CONTENDERS[2].name], by_name[C.UnmonitoredControl.name]
+        for label, upper, lower in (("gradwatch above the contract's floor", gradwatch, by_name[C.ContractReadFloor.name]),
+                                    ("A/A: the control above the unmonitored run", control, base)):  # fmt: skip
+            gap = window_gap(base, upper, lower, flush_every)
+            figures[workload.name][label] = gap
+            print(f"  {label}: {gap[0]:+.2f} points [{gap[1]:+.2f}, {gap[2]:+.2f}] over {gap[3]} windows", flush=True)
         for watched in (r for r in results if r.name.startswith(("gradwatch", "contract"))):
             parts = window_parts(results[0], results[1], watched, flush_every)
             figures[workload.name][f"parts of {watched.name}"] = parts

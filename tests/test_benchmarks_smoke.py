@@ -240,3 +240,21 @@ def test_contract_read_floor_writes_what_the_default_writes(cpu_reductions):
         assert set(values) == set(theirs[tag]), tag
         for step, value in values.items():
             assert value == pytest.approx(theirs[tag][step], rel=1e-4, abs=1e-6), (tag, step)
+
+
+def test_window_gap_is_the_mean_over_whole_windows_of_the_difference_in_points():
+    # Three windows of four rounds (and two rounds that make no whole window, left out). The second
+    # window's flush round costs the watched contender 2.0 more: worked out by hand, the gaps are
+    # (0.4 - 0.2) / 4 = 5, (2.4 - 0.2) / 4 = 55 and 5 points; mean 21.67.
+    from benchmarks.harness import Result, window_gap
+
+    base = Result("none", [1.0] * 14)
+    floor = Result("floor", [1.05] * 14)
+    watched = Result("watched", [1.1] * 14)
+    watched.times[7] += 2.0
+    mean, low, high, windows = window_gap(base, watched, floor, window=4)
+    assert windows == 3
+    assert mean == pytest.approx((5 + 55 + 5) / 3)
+    assert low == pytest.approx(5.0) and high == pytest.approx(55.0)  # resampled means lie between the extremes
+    # a contender against itself: zero, exactly
+    assert window_gap(base, floor, floor, window=4)[:3] == (0.0, 0.0, 0.0)
