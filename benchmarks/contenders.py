@@ -388,11 +388,7 @@ class ContractReadFloor(DefaultStepFloor):
         #: per step: the parameter gradients' norms (rows as views made once: a slice is an op)
         self.table = torch.zeros(self.flush_every, len(self.params), device=device)
         self.rows = list(self.table.unbind(0))
-        self.on_cpu = torch.device(device).type == "cpu" if cpu_reductions is None else cpu_reductions
-        # on the CPU the maxima come small tensors first (``_max_abs``): each one's layer, in that order
-        order = range(len(self.params))
-        self.max_owner = self.owner[sorted(order, key=lambda k: self.params[k].numel() >= CPU_LARGE)
-                                    if self.on_cpu else list(order)]  # fmt: skip
+        self.cpu_reductions = torch.device(device).type == "cpu" if cpu_reductions is None else cpu_reductions
         self._projections: dict[int, torch.Tensor] = {}
         self._window()
 
@@ -436,15 +432,18 @@ class ContractReadFloor(DefaultStepFloor):
         return weights
 
     def _max_abs(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each gradient's max |g| the cheapest way, as gradwatch takes it: on the CPU (whose inf-norm
-        kernel is ~8x slower than ``aminmax``) ``aminmax`` of the large ones and one foreach max of
-        the small ones' |g| (``capture.reductions``); elsewhere one foreach inf-norm."""
-        if not self.on_cpu:
+        """Each gradient's max |g| (in the gradients' order) the cheapest way, as gradwatch takes it: on
+        the CPU (whose inf-norm kernel is ~8x slower than ``aminmax``) ``aminmax`` of the large ones and
+        one foreach max of the small ones' |g| (``capture.reductions``); elsewhere one foreach inf-norm."""
+        if not self.cpu_reductions:
             return list(torch._foreach_norm(grads, float("inf")))
-        small = [g for g in grads if g.numel() < CPU_LARGE]
-        maxima = list(_cpu_abs_max(small).unbind()) if small else []
-        large = [torch.aminmax(g.view(-1)) for g in grads if g.numel() >= CPU_LARGE]
-        return maxima + [torch.maximum(hi, -lo) for lo, hi in large]
+        small = [k for k, g in enumerate(grads) if g.numel() < CPU_LARGE]
+        maxima = dict(zip(small, _cpu_abs_max([grads[k] for k in small]).unbind())) if small else {}
+        for k, g in enumerate(grads):
+            if k not in maxima:
+                lo, hi = torch.aminmax(g.view(-1))
+                maxima[k] = torch.maximum(hi, -lo)
+        return [maxima[k] for k in range(len(grads))]
 
     def step(self):
         if self.sampled[self.slot]:
@@ -487,7 +486,7 @@ class ContractReadFloor(DefaultStepFloor):
                 if self.sampled[t]:
                     outputs, out_grads, maxima = next(sampled_steps)
                     per_layer_max = np.zeros(len(self.names))
-                    np.maximum.at(per_layer_max, self.max_owner, maxima)
+                    np.maximum.at(per_layer_max, self.owner, maxima)
                     for i, name in enumerate(self.names):
                         if i in outputs:
                             s, nz, n = outputs[i]
@@ -507,23 +506,19 @@ class ContractReadFloor(DefaultStepFloor):
         self.slot = 0
         self._window()
 
-    def _sampled_to_host(self) -> list[tuple[dict, dict, np.ndarray]]:
-        """The sampled steps' values on the host, in one copy (one sync on a device): per step, the
-        outputs' (sum of squares, non-zeros, elements) and output gradients' (sum of squares, unit
-        evidence) by layer as floats and arrays, and the maxima."""
-        tensors = [t for outs, grads, maxima in zip(self.outputs, self.out_grads, self.maxima)
-                   for t in [*(v for s, nz, n in outs.values() for v in (s, nz)),
-                             *(v for s, units in grads.values() for v in (s, units)), *maxima]]  # fmt: skip
+    def _sampled_to_host(self) -> list[tuple[dict, dict, list]]:
+        """The sampled steps' (outputs, output gradients, maxima), structured as kept, with every tensor
+        as a float64 numpy array of its shape, brought to the host in one copy (one sync on a device)."""
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        leaves, spec = tree_flatten(list(zip(self.outputs, self.out_grads, self.maxima)))
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         if not tensors:
             return []
         flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu().numpy()
         pieces = iter(np.split(flat, np.cumsum([t.numel() for t in tensors])[:-1]))
-        host = []
-        for outs, grads, maxima in zip(self.outputs, self.out_grads, self.maxima):
-            outs_host = {i: (float(next(pieces)[0]), float(next(pieces)[0]), n) for i, (_, _, n) in outs.items()}
-            grads_host = {i: (float(next(pieces)[0]), next(pieces)) for i in grads}
-            host.append((outs_host, grads_host, np.array([next(pieces)[0] for _ in maxima])))
-        return host
+        on_host = [next(pieces).reshape(leaf.shape) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        return tree_unflatten(on_host, spec)
 
     def close(self):
         super().close()

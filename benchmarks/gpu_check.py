@@ -10,7 +10,8 @@
    synchronising call raises.
 2. Device ops: aten ops per step of the default against an unmonitored step (the MLP and the
    Transformer; #30 asks +5%), and a launch-bound step (MLP 8x64, batch 8): gradwatch's ratio
-   beside the default's per-step read floor and the contract's (``ContractReadFloor``), and the host time of ``monitor.step()`` on unsampled steps.
+   beside the default's per-step read floor and the contract's (``ContractReadFloor``), and the
+   host time of ``monitor.step()`` on unsampled steps.
    What the device runs (kernels, memcpys, memsets, by ``torch.profiler``) in one unsampled and
    one sampled step, against the unmonitored step (``kernel_count.py``): aten ops are not always
    one launch each.
@@ -99,8 +100,8 @@ def no_sync_check(workload, device: torch.device, steps: int = 30, detail: str =
 def launch_bound(device: torch.device, rounds: int = 200, workload=None) -> dict[str, Any]:
     """A step bound by launching kernels (an MLP 8x64 at batch 8: microseconds of device work per
     kernel): gradwatch's ratio beside the default's read floors (per step; the contract's, whole
-    windows), and the host time of ``step()`` on
-    steps that are not sampled, timed in context (no synchronize inside it)."""
+    windows), and the host time of ``step()`` on steps that are not sampled, timed in context (no
+    synchronize inside it)."""
     from gradwatch import GradMonitor
 
     workload = workload or W.mlp(depth=8, width=64, batch=8)

@@ -114,10 +114,19 @@ def paired_ratio(result: Result, base: Result, resamples: int = 2000) -> tuple[f
     import numpy as np
 
     ratios = np.asarray(result.times) / np.asarray(base.times)
+    low, high = _bootstrap_95(ratios, np.median, resamples)
+    return float(np.median(ratios)), low, high
+
+
+def _bootstrap_95(values, statistic, resamples: int) -> tuple[float, float]:
+    """A bootstrap 95% interval of ``statistic`` (a numpy reduction taking ``axis``) over ``values``
+    (a 1-d array), with a fixed seed: the same run gives the same interval."""
+    import numpy as np
+
     rng = np.random.default_rng(0)
-    medians = np.median(rng.choice(ratios, size=(resamples, ratios.size)), axis=1)
-    low, high = np.percentile(medians, [2.5, 97.5])
-    return float(np.median(ratios)), float(low), float(high)
+    estimates = statistic(rng.choice(values, size=(resamples, values.size)), axis=1)
+    low, high = np.percentile(estimates, [2.5, 97.5])
+    return float(low), float(high)
 
 
 def window_gap(base: Result, first: Result, second: Result, window: int,
@@ -136,10 +145,8 @@ def window_gap(base: Result, first: Result, second: Result, window: int,
     shape = (n, window)
     b, f, s = (np.asarray(r.times[: n * window]).reshape(shape).sum(axis=1) for r in (base, first, second))
     gaps = (f - s) / b * 100
-    rng = np.random.default_rng(0)
-    means = rng.choice(gaps, size=(resamples, n)).mean(axis=1)
-    low, high = np.percentile(means, [2.5, 97.5])
-    return float(gaps.mean()), float(low), float(high), n
+    low, high = _bootstrap_95(gaps, np.mean, resamples)
+    return float(gaps.mean()), low, high, n
 
 
 def figure_table(results: list[Result]) -> dict[str, dict]:
