@@ -45,16 +45,17 @@ def advance_clock(first_call: torch.Tensor, clock: torch.Tensor, tick: float) ->
 
 
 def add_recorded_output(output: torch.Tensor, row: torch.Tensor, clock: torch.Tensor, tick: float,
-                        statistics: bool) -> None:  # fmt: skip
+                        statistics: bool, exact: bool = True) -> None:  # fmt: skip
     """Add one output of a recorded step to its layer's forward row on the device ([first call |
     output elements | output statistics]): the forward order (:func:`advance_clock`) and, where
     ``statistics``, the elements and the declared output statistics (``registry/outputs.py``). What
     compiled taps record at every step with ``detail="full"`` (traced), and the opaque op of
-    ``host_branch.py`` on sampled steps (run eagerly)."""
+    ``host_branch.py`` on sampled steps (run eagerly, with the layer's ``exact`` of the window, as
+    its eager tap would: ``OutputTap.exact_outputs``)."""
     advance_clock(row[0:1], clock, tick)
     if statistics:
         row[1:2].add_(output.numel())
-        row[2:].add_(registry.accumulate_all(output, row.dtype))
+        row[2:].add_(registry.accumulate_all(output, row.dtype, exact))
 
 
 def _alias(storage: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -233,17 +234,18 @@ class Cells:
                 per_layer[i] = (cells, k, int(cells.row_start[k]))
         for i, layer in enumerate(layers):
             cells, k, start = per_layer[i]
-            self.taps.append(
-                OutputTap(
-                    layer,
-                    cells.shared,
-                    host=self.host,
-                    index=i,
-                    forward_sum=_alias(cells.sums, k, k + 1),
-                    forward_cells=cells.forward.data[k].data,
-                    grad_row=_alias(cells.backward, start, start + ROW_COUNTS + int(unit_count[i])),
-                )
+            tap = OutputTap(
+                layer,
+                cells.shared,
+                host=self.host,
+                index=i,
+                forward_sum=_alias(cells.sums, k, k + 1),
+                forward_cells=cells.forward.data[k].data,
+                grad_row=_alias(cells.backward, start, start + ROW_COUNTS + int(unit_count[i])),
             )
+            self.taps.append(tap)
+            self.flags.taps_at[tap.forward_cells.data_ptr()] = tap
+            self.flags.taps_at[tap.grad_tap.grad_row.data_ptr()] = tap
 
     @property
     def nbytes(self) -> int:

@@ -50,7 +50,7 @@ class GradStatistics:
         self.unit_sums = False
         #: the layer's output-gradient norms were within :data:`FLOAT32_SAFE_NORM` over the last
         #: window: eager taps on the CPU take norms of rows in float32 (combined in float64) and
-        #: a convolution's dead-unit evidence by projection (``_float32_rows``)
+        #: a convolution's dead-unit evidence by projection (``float32_rows``)
         self.float32 = False
         #: (rows, dtype) -> the first ``rows`` projection weights as a (1, rows) matrix (eager: slicing
         #: and converting are an op each per call; batch shapes repeat)
@@ -78,20 +78,21 @@ class GradStatistics:
         units = evidence.square().to(self.dtype) if evidence is not None else g.new_zeros(0, dtype=self.dtype)
         return sq.to(self.dtype).reshape(1), units
 
-    def add_to_cells(self, g: torch.Tensor, weights: torch.Tensor, row: torch.Tensor) -> None:
+    def add_to_cells(self, g: torch.Tensor, weights: torch.Tensor, row: torch.Tensor, fast: bool = False) -> None:
         """Add one output gradient of a recorded step to a layer's backward row on the device: its
         counts (sum of squares, calls, samples) and its dead-unit evidence, squared, after them
         (:data:`ROW_COUNTS`); ``weights`` as in :meth:`of`. What compiled code records where every
         step is (``detail="full"``, traced) and what the opaque op of ``host_branch.py`` records on
-        sampled steps (run eagerly)."""
-        sq, evidence, samples = self.of(g, weights)
+        sampled steps (run eagerly; ``fast``: rows normed in float32, see :meth:`of`)."""
+        sq, evidence, samples = self.of(g, weights, fast)
         row[1:2].add_(1.0)
         row[0:1].add_(sq)
         if evidence is not None:
             row[ROW_COUNTS:].addcmul_(evidence, evidence)
             row[2:3].add_(samples)
 
-    def of(self, g: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    def of(self, g: torch.Tensor, weights: torch.Tensor,
+           fast: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, float]:  # fmt: skip
         """(sum of squares, per-unit evidence or None, the samples behind it) of one output gradient:
         the form compiled code takes (:meth:`add_to_cells`, :meth:`deltas`; eager taps write the same
         into their cells, :meth:`record`).
@@ -103,20 +104,24 @@ class GradStatistics:
         CPU a float64 reduction over rows costs a third of one over the whole tensor; a large
         convolution gradient's rows, outside traced code, in float32 with a float64 redo of the rows
         float32 cannot hold: :meth:`_channel_rows`), then their squares summed; the rows are also
-        what the dead-unit evidence is made of."""
-        acc = self.dtype
+        what the dead-unit evidence is made of. ``fast`` (run eagerly only, where
+        :meth:`float32_rows` says so): the rows normed in float32 and combined in float64, as
+        :meth:`record` takes them."""
         ndim = g.ndim
         judged = self.judged(g)
         if ndim >= 3 and self.unit_dim(ndim) == 1:
             # (N, C, *spatial): one norm per (sample, channel) over positions, in any layout.
-            rows = self._channel_rows(g)
+            rows = self._row_norms(g, tuple(range(2, ndim)), True) if fast else self._channel_rows(g)
             if not judged:
                 return rows.square().sum(), None, 0.0
             # Per channel over samples and positions. The samples are the N examples, not
             # N x positions: neighbouring positions of one image are not independent evidence.
             return rows.square().sum(), torch.linalg.vector_norm(rows, 2, dim=0), float(g.shape[0])
         rows = _as_rows(g)
-        row_norms = torch.linalg.vector_norm(rows, 2, dim=1, dtype=acc)
+        if fast:
+            row_norms = self._row_norms(rows, 1, True)
+        else:  # (traced code: no method call, one guard less)
+            row_norms = torch.linalg.vector_norm(rows, 2, dim=1, dtype=self.dtype)
         sq = torch.dot(row_norms, row_norms)
         if not judged:
             return sq, None, 0.0  # units unknown, or an output without the declared units
@@ -124,7 +129,7 @@ class GradStatistics:
             rows = rows.float()  # half-precision squares overflow
         n = rows.shape[0]
         if self.unit_sums:  # dead_eps > 0: per-unit norms, compared with dead_eps (float64: exact at any size)
-            return sq, torch.linalg.vector_norm(rows, 2, dim=0, dtype=acc), float(n)
+            return sq, torch.linalg.vector_norm(rows, 2, dim=0, dtype=self.dtype), float(n)
         # Projection on fixed positive weights (one matrix-vector product): zero for a unit
         # whose gradient is zero for every row, and (but for an exact cancellation against
         # random weights) not otherwise. Squared when added, so that calls never cancel.
@@ -158,7 +163,7 @@ class GradStatistics:
             the samples behind the dead-unit evidence (0.0: ``g`` is none).
         """
         ndim = g.ndim
-        fast = self._float32_rows(g)
+        fast = self.float32_rows(g)
         if ndim >= 3 and self.unit_dim(ndim) == 1:
             # (N, C, *spatial): as in :meth:`of`, per (sample, channel) over positions, then per channel.
             rows = self._row_norms(g, tuple(range(2, ndim)), True) if fast else self._channel_rows(g)
@@ -183,8 +188,9 @@ class GradStatistics:
         units.addcmul_(evidence, evidence)
         return float(n)
 
-    def _float32_rows(self, g: torch.Tensor) -> bool:
-        """Whether :meth:`record` norms ``g``'s rows in float32 (combined in float64).
+    def float32_rows(self, g: torch.Tensor) -> bool:
+        """Whether eager code norms ``g``'s rows in float32 (combined in float64): :meth:`record`, and
+        the ops that record compiled sampled steps (``host_branch``, :meth:`add_to_cells` with ``fast``).
 
         On the CPU a float64 reduction of float32 values is 3-80x slower than a float32 one (the
         cast is not vectorised: 0.2-0.6 ms per convolution output of the standard CNN, 16 ms for a

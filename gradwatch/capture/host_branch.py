@@ -48,7 +48,7 @@ from .cells import add_recorded_output
 from .grad_statistics import GradStatistics
 
 if TYPE_CHECKING:
-    from .taps import RecordingFlags
+    from .taps import OutputTap, RecordingFlags
 
 log = logging.getLogger("gradwatch")
 
@@ -95,28 +95,50 @@ def follow_sampling(key: int, flags: "RecordingFlags") -> None:
 def _add_output_grad(grad: torch.Tensor, row: torch.Tensor, weights: torch.Tensor, flags_key: int, unit_count: int,
                      channel_first: bool, unit_sums: bool) -> None:  # fmt: skip
     """On sampled steps, one output gradient into its layer's backward cells (``row``: sum of
-    squares, calls, samples, then its dead-unit evidence): ``GradStatistics.add_to_cells``
-    (the layer's facts are arguments: they are equal across layers of the same shape). Nothing on
-    the others."""
+    squares, calls, samples, then its dead-unit evidence): ``GradStatistics.add_to_cells``, with
+    the layer's own statistics object where the row leads to its tap (its float32 rows in a window
+    that allows them, as its eager tap takes: ``_tap_at``), else one made of the layer's facts,
+    which are arguments (equal across layers of the same shape). Nothing on the others."""
     if not GATE[flags_key]:
         return
-    stats = GradStatistics(unit_count, channel_first, weights, row.dtype)
-    stats.unit_sums = unit_sums
+    tap = _tap_at(flags_key, row)
+    if tap is not None:
+        stats = tap.grad_stats
+    else:
+        stats = GradStatistics(unit_count, channel_first, weights, row.dtype)
+        stats.unit_sums = unit_sums
     with torch.no_grad():
-        stats.add_to_cells(grad, weights, row)
+        stats.add_to_cells(grad, weights, row, fast=stats.float32_rows(grad))
 
 
 def _mark_output(output: torch.Tensor, cells: torch.Tensor, clock: torch.Tensor, tick: float, flags_key: int,
                  statistics: bool) -> None:  # fmt: skip
-    """On sampled steps, one output into its layer's forward cells: ``cells.add_recorded_output``.
+    """On sampled steps, one output into its layer's forward cells: ``cells.add_recorded_output``,
+    in float32 where the layer's window allows it, as its eager tap would (``OutputTap.exact_outputs``).
     Nothing on the others."""
     if not GATE[flags_key]:
         return
     flags = _FLAGS.get(flags_key)
     if flags is not None:
         flags.compiled_marks += 1  # eager taps after it read the clock on the device (``OutputTap._mark_order``)
+    tap = _tap_at(flags_key, cells)
+    exact = tap is None or tap.exact_outputs
     with torch.no_grad():
-        add_recorded_output(output, cells, clock, tick, statistics)
+        add_recorded_output(output, cells, clock, tick, statistics, exact)
+
+
+def _tap_at(flags_key: int, cells: torch.Tensor) -> "OutputTap | None":
+    """The tap whose forward cells or backward row ``cells`` is (by address:
+    ``RecordingFlags.taps_at``), or None (its monitor closed or was collected). Compiled code hands
+    the ops tensors, not the tap: a per-layer constant would make each block of a regionally
+    compiled model a graph of its own. The precision a tap chose for the window is host state that
+    changes at flushes, which a graph must not guard on. Unsampled steps never get here.
+
+    Measured on the compiled MLP 8x512: with float64 reductions on every window, the ops' sampled
+    steps copied each 256x512 output and gradient to float64 (~165 and ~80 us a layer), 2.3 ms of
+    copies a sampled step (benchmarks/RESULTS.md, thirty-fourth session)."""
+    flags = _FLAGS.get(flags_key)
+    return flags.taps_at.get(cells.data_ptr()) if flags is not None else None
 
 
 def _returns_nothing(*args: object) -> None:

@@ -118,12 +118,16 @@ class RecordingFlags:
         self.compiled_marks = 0
         #: Some tap failed since the last step (its ``failure`` says how); reported at step(), not in the hook.
         self.failed = False
+        #: address (``data_ptr``) of a tap's forward cells or backward row -> the tap: how the opaque
+        #: ops' kernels, handed the cells, reach the layer's precision of the window (``host_branch``)
+        self.taps_at: dict[int, "OutputTap"] = {}
 
     def close(self) -> None:
         """The monitor closed: the taps record nothing more (those compiled code still runs too), and
         the ops' key is free for the next monitor (``host_branch.register``)."""
         self.active = False
         host_branch.release(self.key)
+        self.taps_at.clear()  # compiled code may keep these flags: not the taps, which reach the model
 
     @property
     def sampling(self) -> bool:

@@ -181,7 +181,7 @@ def test_the_gate_compiled_code_reads_follows_each_monitor_s_sampling_and_outliv
 
 def test_a_large_tiny_layer_keeps_exact_statistics_in_eager_training():
     # act_rms's exact windows (every window of a layer at ~1e-25) and a channels-last convolution's
-    # output gradients (never float32 rows: GradStatistics._float32_rows) take the rows on large tensors.
+    # output gradients (never float32 rows: GradStatistics.float32_rows) take the rows on large tensors.
     torch.manual_seed(3)
     conv = nn.Conv2d(3, 16, 3, padding=1).to(memory_format=torch.channels_last)
     with torch.no_grad():

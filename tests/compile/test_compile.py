@@ -217,6 +217,82 @@ def test_default_detail_records_sampled_steps_inside_compiled_code_and_nothing_o
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+class _Float64Reads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts reductions of float32 tensors accumulated in float64 (``linalg_vector_norm(...,
+    dtype=float64)``: on the CPU a copy of the tensor to float64 first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is torch.ops.aten.linalg_vector_norm.default and kwargs.get("dtype") == torch.float64
+                and args[0].dtype == torch.float32 and args[0].numel() > 1):  # fmt: skip
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+@pytest.mark.slow
+def test_compiled_sampled_steps_take_each_layer_s_precision_of_the_window_as_its_eager_tap(monkeypatch):
+    # The ops that record compiled sampled steps (capture/host_branch.py) run eagerly at run time.
+    # In a window after one whose magnitudes were far from float32's limits, the eager taps reduce a
+    # layer's outputs and output gradients in float32 (registry.outputs.float32_is_exact,
+    # GradStatistics.float32_rows); the ops did so in float64 in every window, copying each
+    # tensor to float64 first (2.3 ms a sampled step on the compiled MLP 8x512). They take the
+    # layer's precision of the window now, found by the cells they are handed, and their values
+    # still equal the eager twin's. Counted inside the ops' code only (the model's own ops aside).
+    from gradwatch import settings
+    from gradwatch.capture import cells, grad_statistics, host_branch
+
+    reads = {1: _Float64Reads(), 2: _Float64Reads()}
+    window = {"now": 1}
+
+    def counted(real):
+        def run(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                return real(*args, **kwargs)
+            with reads[window["now"]]:
+                return real(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(host_branch, "add_recorded_output", counted(cells.add_recorded_output))
+    monkeypatch.setattr(grad_statistics.GradStatistics, "add_to_cells",
+                        counted(grad_statistics.GradStatistics.add_to_cells))  # fmt: skip
+    monkeypatch.setitem(settings.DETAILS, "standard", 3)
+    torch.manual_seed(0)
+    model = Net()
+    twin = copy.deepcopy(model)
+    monitor = GradMonitor(model, flush_every=6)
+    # inductor: it hands the ops the cells themselves (aot_eager functionalizes the ops' writes
+    # into copies, which lead to no tap: the ops then reduce in float64, exact and slower)
+    run = _compiled(model, "fullgraph", backend="inductor")
+    retained = RetainedOutputs(twin, LAYERS)
+    expected = []
+    for step, (x, y) in enumerate(_batches(12)):
+        window["now"] = 1 + step // 6
+        retained.clear()
+        for net in (run, twin):
+            nn.functional.cross_entropy(net(x), y).backward()
+        expected.append(_reference(twin, retained))
+        monitor.step()
+        model.zero_grad()
+        twin.zero_grad()
+    monitor.close()
+    w = monitor.last_window
+    assert w.steps[0] == 6 and list(w.sampled[:4]) == [True, False, False, True]
+    assert reads[1].count > 0  # the first window: nothing known yet, float64 (the counter sees them)
+    assert reads[2].count == 0  # each layer's float32 reductions, as its eager tap's
+    for t in (0, 3):
+        for i, name in enumerate(LAYERS):
+            ref = expected[6 + t][name]
+            assert w.out_grad_norm[t, i] == pytest.approx(ref["out_grad_norm"], rel=1e-5), (t, name)
+            for stat in ("act_rms", "act_zero_fraction"):
+                assert w.output_stats[stat][t, i] == pytest.approx(ref[stat], rel=1e-5, abs=1e-12), (t, name, stat)
+    alive = expected[6]["conv"]["alive"] | expected[9]["conv"]["alive"]
+    assert (w.unit_alive[0] == alive).all()
+
+
 def test_inductor_compiled_values_equal_the_eager_twin():
     # The real code generator: the taps' ops fused into the model's own kernels.
     w, expected = _train_both("fullgraph", steps=2, detail="full", backend="inductor")
