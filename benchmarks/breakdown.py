@@ -5,7 +5,7 @@
 
 Ablations are gradwatch monitors with one part switched off (by replacing a
 method on that monitor's own objects, so the other contenders are untouched),
-measured like overhead.py: interleaved, rotated, against an unmonitored copy.
+measured like overhead.py: interleaved in balanced orders, against an unmonitored copy.
 The floors are the least any monitor pays that reads the same tensors with
 separate reductions. "In-context cost" times single calls made inside the
 forward hooks of a real training step, where the GEMMs have just evicted

@@ -1,4 +1,5 @@
-"""Interleaved timing: every contender steps once per round, in a rotated order."""
+"""Interleaved timing: every contender steps once per round, in orders where each one follows
+every other equally often (:func:`balanced_orders`)."""
 
 from __future__ import annotations
 
@@ -35,25 +36,47 @@ class Result:
         return statistics.fmean(self.times)
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` contenders (a Williams design) in which each one runs first, second, ... equally
+    often and right after each other one equally often: once each over the ``n`` orders for even
+    ``n``, twice over ``2n`` for odd ``n`` (the orders and their reverses).
+
+    A step's time can depend on the step before it (what that step left in the caches and the
+    allocator's free lists): orders rotated by one each round (A B C / B C A / C A B) kept each
+    contender's predecessor fixed, a confound in every comparison. It was not what made the A/A
+    control read below the unmonitored run in 10 of 14 runs of the thirty-second to thirty-fourth
+    sessions (by 0.05-0.78 points): with these orders it still did (-0.6 to -0.9 points in three
+    compiled MLP runs), and it followed the copy made first, not the order (made in reverse, the A/A
+    read +0.04; listed first, the unmonitored copy made second read -1.0). A copy's placement in
+    memory costs or saves it up to ~1 point for the whole process: one process cannot resolve
+    less (benchmarks/RESULTS.md, thirty-fourth session)."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(low if len(first) % 2 else high)
+        low, high = (low + 1, high) if len(first) % 2 == 0 else (low, high - 1)
+    orders = [[(c + shift) % n for c in first] for shift in range(n)]
+    return orders if n % 2 == 0 else orders + [order[::-1] for order in orders]
+
+
 def measure(workload, contender_types, rounds: int, warmup: int, device: torch.device,
             sync: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter) -> list[Result]:  # fmt: skip
-    """Time ``rounds`` steps of each contender, interleaved A B C / B C A / ..., on identical model copies
-    (``clock``: the timer, replaceable by a test)."""
+    """Time ``rounds`` steps of each contender, interleaved in :func:`balanced_orders` taken in turn, on
+    identical model copies (``clock``: the timer, replaceable by a test)."""
     torch.manual_seed(0)
     base = workload.make_model().to(device)
     contenders = [cls(copy.deepcopy(base), workload, device) for cls in contender_types]
     results = {c.name: Result(c.name) for c in contenders}
-    for c in contenders:
-        for _ in range(warmup):
+    orders = balanced_orders(len(contenders))
+    for r in range(warmup):  # interleaved, as the timed rounds
+        for c in (contenders[i] for i in orders[r % len(orders)]):
             c.step()
+    for c in contenders:
         c.prime()
     gc.collect()
     gc.disable()  # a collection landing in one contender's step is noise, not cost
     try:
-        n = len(contenders)
         for r in range(rounds):
-            order = contenders[r % n :] + contenders[: r % n]
-            for c in order:
+            for c in (contenders[i] for i in orders[r % len(orders)]):
                 if sync:
                     sync()
                 t0 = clock()

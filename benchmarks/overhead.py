@@ -5,8 +5,8 @@
     python benchmarks/overhead.py --only compiled,depth  # some sections: standard, real, compiled, depth, flush, steady
 
 Every figure is a ratio to an unmonitored copy of the same model measured in the
-same process, contenders interleaved step by step with the order rotated every
-round; "none (A/A)" is a second unmonitored copy: its ratio is the noise floor.
+same process, contenders interleaved step by step in orders where each follows every
+other equally often (harness.balanced_orders); "none (A/A)" is a second unmonitored copy: its ratio is the noise floor.
 "ratio" compares medians (a typical non-flush step); "paired" is the median over
 rounds of each step's time over the unmonitored step of the same round, with a
 bootstrap 95% interval (pairing cancels the machine's slow drift); "mean ratio"

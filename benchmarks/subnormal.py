@@ -4,7 +4,7 @@ or zero) against the same layer shapes with gradients of a normal size (#28 item
     python benchmarks/subnormal.py            # about 2 minutes on 2 CPU cores
     python benchmarks/subnormal.py --steps 60  # a smoke test
 
-Six runs in one process, interleaved step by step with the order rotated every round: the
+Six runs in one process, interleaved step by step in balanced orders (each run right after every other equally often): the
 vanishing demo's model (a 26-layer sigmoid stack, `gradwatch demo --fault vanishing`) with and
 without gradwatch, and its twin (the same Linear shapes, tanh and orthogonal weights, whose
 gradients stay near 1e-2) with and without gradwatch, and that twin again (its ratio to the
@@ -29,7 +29,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import gradwatch_logger_at  # noqa: E402
+from benchmarks.harness import balanced_orders, gradwatch_logger_at  # noqa: E402
 
 from gradwatch import GradMonitor  # noqa: E402
 from gradwatch.demo import build_model  # noqa: E402
@@ -92,9 +92,9 @@ def _main() -> None:
     for run in runs:
         run.record_smallest_grad()
     inputs = torch.randn(args.steps + args.warmup, 64, 32)
+    orders = balanced_orders(len(runs))
     for t in range(args.steps + args.warmup):
-        order = runs[t % len(runs) :] + runs[: t % len(runs)]
-        for run in order:
+        for run in (runs[i] for i in orders[t % len(orders)]):
             run.step(inputs[t])
     results = {}
     for name in ("vanishing", "twin", "twin again (A/A)"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from benchmarks import breakdown as B
 from benchmarks import contenders as C
 from benchmarks import workloads as W
-from benchmarks.harness import format_table, host_syncs_between_flushes, measure
+from benchmarks.harness import balanced_orders, format_table, host_syncs_between_flushes, measure
 
 _TINY = W.mlp(depth=2, width=16, batch=8)
 _CPU = torch.device("cpu")
@@ -27,7 +28,7 @@ class _Ticks:
         return self.now
 
 
-def test_every_contender_steps_is_timed_in_rotated_rounds_and_reported():
+def test_every_contender_steps_is_timed_in_balanced_orders_and_reported():
     kinds = C.standard() + [B.WithoutParamStats, B.WithoutOutputGradReductions]
     synced = []  # gpu_check.py passes torch.cuda.synchronize here
     stepped: list[str] = []
@@ -46,9 +47,22 @@ def test_every_contender_steps_is_timed_in_rotated_rounds_and_reported():
     assert all(r.times == [1.0, 1.0] for r in results)  # each timed step spans exactly its two clock reads
     names = [k.name for k in kinds]
     timed = stepped[n:]  # after one warm-up step each
-    assert timed == names + names[1:] + names[:1]  # round 2 rotated by one
+    orders = balanced_orders(n)
+    assert timed == [names[i] for i in orders[0] + orders[1]]  # the first two orders of the design
     table = format_table(_TINY.name, results)
     assert all(r.name in table for r in results) and "1.000 [1.000, 1.000]" in table
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8])
+def test_balanced_orders_put_each_contender_right_after_every_other_equally_often(n):
+    # Counted independently: adjacent pairs within each order, and places.
+    orders = balanced_orders(n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    follows = collections.Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
+    assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
+    assert len(set(follows.values())) <= 1  # every ordered pair equally often (once, or twice for odd n)
+    places = collections.Counter((c, i) for order in orders for i, c in enumerate(order))
+    assert len(places) == n * n and len(set(places.values())) == 1  # every contender at every place equally often
 
 
 def _stepped(kind):
