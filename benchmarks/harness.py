@@ -46,10 +46,11 @@ def balanced_orders(n: int) -> list[list[int]]:
     contender's predecessor fixed, a confound in every comparison. It was not what made the A/A
     control read below the unmonitored run in 10 of 14 runs of the thirty-second to thirty-fourth
     sessions (by 0.05-0.78 points): with these orders it still did (-0.6 to -0.9 points in three
-    compiled MLP runs), and it followed the copy made first, not the order (made in reverse, the A/A
-    read +0.04; listed first, the unmonitored copy made second read -1.0). A copy's placement in
-    memory costs or saves it up to ~1 point for the whole process: one process cannot resolve
-    less (benchmarks/RESULTS.md, thirty-fourth session)."""
+    compiled MLP runs), and it moved with how the copies were made, not with the order (made in
+    reverse: +0.04; listed first, the unmonitored copy made second read -1.0; after a decoy copy
+    made and stepped first: +0.69). Each copy's placement in memory costs or saves it up to ~1
+    point for the whole process: one process cannot resolve less between two contenders, several
+    processes can (benchmarks/RESULTS.md, thirty-fourth session)."""
     first, low, high = [0], 1, n - 1
     while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
         first.append(low if len(first) % 2 else high)
