@@ -233,64 +233,58 @@ class _Float64Reads(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@pytest.mark.slow
-def test_compiled_sampled_steps_take_each_layer_s_precision_of_the_window_as_its_eager_tap(monkeypatch):
-    # The ops that record compiled sampled steps (capture/host_branch.py) run eagerly at run time.
-    # In a window after one whose magnitudes were far from float32's limits, the eager taps reduce a
-    # layer's outputs and output gradients in float32 (registry.outputs.float32_is_exact,
-    # GradStatistics.float32_rows); the ops did so in float64 in every window, copying each
-    # tensor to float64 first (2.3 ms a sampled step on the compiled MLP 8x512). They take the
-    # layer's precision of the window now, found by the cells they are handed, and their values
-    # still equal the eager twin's. Counted inside the ops' code only (the model's own ops aside).
-    from gradwatch import settings
-    from gradwatch.capture import cells, grad_statistics, host_branch
+def test_the_sampled_step_ops_take_each_layer_s_precision_of_the_window_as_its_eager_tap():
+    # The ops that record compiled sampled steps (capture/host_branch.py) run eagerly, called by
+    # inductor's wrapper with the layer's own cells. After a window whose magnitudes were far from
+    # float32's limits, a layer's eager tap reduces its outputs and output gradients in float32
+    # (registry.outputs.float32_is_exact, GradStatistics.float32_rows); the ops did so in float64 in
+    # every window, copying each tensor to float64 first (2.3 ms a sampled step of the compiled MLP
+    # 8x512). Called here as the wrapper calls them, they find the layer by its cells and take its
+    # precision, and what they add equals a float64 reference; handed a copy of the cells (as
+    # aot_eager does), float64. That inductor hands them the cells themselves is tested on the
+    # inductor-compiled conv net below.
+    from gradwatch.capture import host_branch
+    from gradwatch.registry import outputs
 
-    reads = {1: _Float64Reads(), 2: _Float64Reads()}
-    window = {"now": 1}
-
-    def counted(real):
-        def run(*args, **kwargs):
-            if torch.compiler.is_compiling():
-                return real(*args, **kwargs)
-            with reads[window["now"]]:
-                return real(*args, **kwargs)
-        return run
-
-    monkeypatch.setattr(host_branch, "add_recorded_output", counted(cells.add_recorded_output))
-    monkeypatch.setattr(grad_statistics.GradStatistics, "add_to_cells",
-                        counted(grad_statistics.GradStatistics.add_to_cells))  # fmt: skip
-    monkeypatch.setitem(settings.DETAILS, "standard", 3)
+    assert [s.name for s in outputs.OUTPUT_STATISTICS] == ["act_rms", "act_zero_fraction"]  # the layout below
     torch.manual_seed(0)
-    model = Net()
-    twin = copy.deepcopy(model)
-    monitor = GradMonitor(model, flush_every=6)
-    # inductor: it hands the ops the cells themselves (aot_eager functionalizes the ops' writes
-    # into copies, which lead to no tap: the ops then reduce in float64, exact and slower)
-    run = _compiled(model, "fullgraph", backend="inductor")
-    retained = RetainedOutputs(twin, LAYERS)
-    expected = []
-    for step, (x, y) in enumerate(_batches(12)):
-        window["now"] = 1 + step // 6
-        retained.clear()
-        for net in (run, twin):
-            nn.functional.cross_entropy(net(x), y).backward()
-        expected.append(_reference(twin, retained))
+    model = nn.Linear(16, 32)
+    monitor = GradMonitor(model, flush_every=2, detail="full")  # every step sampled: the ops' gate open
+    for _ in range(2):  # one window, then its flush sets each layer's precision for the next
+        model(torch.randn(8, 16)).square().mean().backward()
         monitor.step()
-        model.zero_grad()
-        twin.zero_grad()
+    cells = monitor._stages.pipeline.recorder.cells
+    tap, flags, shared = cells.taps[0], cells.flags, cells.devices[0].shared
+    assert not tap.exact_outputs and tap.grad_stats.float32  # magnitudes ~1: float32 for the window
+    out = torch.relu(torch.randn(64, 32))
+    g = torch.randn(64, 32)
+
+    def mark(target: torch.Tensor) -> tuple[torch.Tensor, int]:
+        before, reads = target.clone(), _Float64Reads()
+        with reads:
+            host_branch._mark_output(out, target, shared.clock, shared.clock_tick, flags.key, True)
+        return target - before, reads.count
+
+    def add_grad(target: torch.Tensor) -> tuple[torch.Tensor, int]:
+        before, reads = target.clone(), _Float64Reads()
+        with reads:
+            host_branch._add_output_grad(g, target, shared.weights, flags.key, 32, False, False)
+        return target - before, reads.count
+
+    want_sq, want_grad_sq = float(out.double().square().sum()), float(g.double().square().sum())
+    for target, float64 in ((tap.forward_cells, False), (tap.forward_cells.clone(), True)):
+        added, reads = mark(target)
+        assert (reads > 0) == float64
+        assert added[1] == out.numel() and added[3] == int((out != 0).sum())
+        assert float(added[2]) == pytest.approx(want_sq, rel=1e-6)
+    for target, float64 in ((tap.grad_tap.grad_row, False), (tap.grad_tap.grad_row.clone(), True)):
+        added, reads = add_grad(target)
+        assert (reads > 0) == float64
+        assert float(added[0]) == pytest.approx(want_grad_sq, rel=1e-6)
+        assert list(added[1:3]) == [1.0, 64.0] and (added[3:] > 0).all()  # a call, its samples; every unit alive
+    tap.exact_outputs, tap.grad_stats.float32 = True, False  # a window near float32's limits: float64
+    assert mark(tap.forward_cells)[1] > 0 and add_grad(tap.grad_tap.grad_row)[1] > 0
     monitor.close()
-    w = monitor.last_window
-    assert w.steps[0] == 6 and list(w.sampled[:4]) == [True, False, False, True]
-    assert reads[1].count > 0  # the first window: nothing known yet, float64 (the counter sees them)
-    assert reads[2].count == 0  # each layer's float32 reductions, as its eager tap's
-    for t in (0, 3):
-        for i, name in enumerate(LAYERS):
-            ref = expected[6 + t][name]
-            assert w.out_grad_norm[t, i] == pytest.approx(ref["out_grad_norm"], rel=1e-5), (t, name)
-            for stat in ("act_rms", "act_zero_fraction"):
-                assert w.output_stats[stat][t, i] == pytest.approx(ref[stat], rel=1e-5, abs=1e-12), (t, name, stat)
-    alive = expected[6]["conv"]["alive"] | expected[9]["conv"]["alive"]
-    assert (w.unit_alive[0] == alive).all()
 
 
 def test_inductor_compiled_values_equal_the_eager_twin():
@@ -996,6 +990,22 @@ def _count_statistics_at_run_time(monkeypatch) -> dict:
     return computed
 
 
+def _count_taps_found(monkeypatch) -> dict:
+    """Whether the ops found the tap of the cells they were handed, counted at run time."""
+    from gradwatch.capture import host_branch
+
+    found: dict[bool, int] = {}
+    real = host_branch._tap_at
+
+    def counting(flags_key, cells):
+        tap = real(flags_key, cells)
+        found[tap is not None] = found.get(tap is not None, 0) + 1
+        return tap
+
+    monkeypatch.setattr(host_branch, "_tap_at", counting)
+    return found
+
+
 def _count_direct_calls(monkeypatch) -> dict:
     """Calls of the opaque ops' kernels by inductor's generated code (through the attribute it names)."""
     from gradwatch._compat.inductor import DIRECT_KERNEL
@@ -1018,6 +1028,7 @@ def test_inductor_default_detail_records_a_conv_net_s_sampled_steps_as_the_eager
     # and not at all on the others.
     computed = _count_statistics_at_run_time(monkeypatch)
     called = _count_direct_calls(monkeypatch)
+    found = _count_taps_found(monkeypatch)
     bypassed = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_bypass"]  # process-wide: a delta
     torch.manual_seed(0)
     model = _conv_net()
@@ -1059,6 +1070,9 @@ def test_inductor_default_detail_records_a_conv_net_s_sampled_steps_as_the_eager
     # monitor's gate: _compat/inductor.py)
     assert counted[1:] == [(layers, layers, layers, layers) if w.sampled[t] else (0, 0, 0, 0)
                            for t in range(1, 4)]  # fmt: skip
+    # ... handing them each layer's own cells, by which they find its tap and its precision of the
+    # window (test_the_sampled_step_ops_take_each_layer_s_precision_of_the_window_as_its_eager_tap)
+    assert found == {True: 2 * layers * len(sampled)}
     # Inductor may cache the monitored graphs, as it does the model's without gradwatch (a torch.cond
     # branch in them made it bypass its FX graph cache, "Can't cache HigherOrderOperator: cond").
     assert torch._dynamo.utils.counters["inductor"]["fxgraph_cache_bypass"] == bypassed
