@@ -134,6 +134,17 @@ def test_step_host_times_only_unsampled_non_flush_steps_and_the_floor_read():
     assert S.slopes(figures) == {"1->2": 0.0}
 
 
+def test_step_host_compiled_times_the_forward_of_both_compiled_copies():
+    from benchmarks import step_host as S
+
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # process-wide: a delta
+    f = S.measure_depth(1, steps=60, batch=4, clock=_Ticks(), compiled=True, backend="aot_eager")
+    assert f["layers"] == 3 and 0 < f["counted_steps"] <= 47
+    assert f["fwd_us"] == f["floor_fwd_us"] == f["step_us"] == f["floor_us"] == 1e6
+    assert f["fwd_above_floor_per_layer_us"] == 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2  # one graph per copy
+
+
 def test_compiled_contenders_each_keep_their_own_compiled_entries():
     """Two models compiled in one process share dynamo's cache list (one wrapper code object), so a
     call first checks the guards of the other model's entry; ``compile_alone`` gives each its own."""
