@@ -51,10 +51,7 @@ def balanced_orders(n: int) -> list[list[int]]:
     made and stepped first: +0.69). Each copy's placement in memory costs or saves it up to ~1
     point for the whole process: one process cannot resolve less between two contenders, several
     processes can (benchmarks/RESULTS.md, thirty-fourth session)."""
-    first, low, high = [0], 1, n - 1
-    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
-        first.append(low if len(first) % 2 else high)
-        low, high = (low + 1, high) if len(first) % 2 == 0 else (low, high - 1)
+    first = [(k + 1) // 2 if k % 2 else (n - k // 2) % n for k in range(n)]  # 0, 1, n-1, 2, n-2, ...
     orders = [[(c + shift) % n for c in first] for shift in range(n)]
     return orders if n % 2 == 0 else orders + [order[::-1] for order in orders]
 

@@ -101,7 +101,7 @@ def _add_output_grad(grad: torch.Tensor, row: torch.Tensor, weights: torch.Tenso
     which are arguments (equal across layers of the same shape). Nothing on the others."""
     if not GATE[flags_key]:
         return
-    tap = _tap_at(flags_key, row)
+    tap = _tap_at(_FLAGS.get(flags_key), row)
     if tap is not None:
         stats = tap.grad_stats
     else:
@@ -121,23 +121,22 @@ def _mark_output(output: torch.Tensor, cells: torch.Tensor, clock: torch.Tensor,
     flags = _FLAGS.get(flags_key)
     if flags is not None:
         flags.compiled_marks += 1  # eager taps after it read the clock on the device (``OutputTap._mark_order``)
-    tap = _tap_at(flags_key, cells)
+    tap = _tap_at(flags, cells)
     exact = tap is None or tap.exact_outputs
     with torch.no_grad():
         add_recorded_output(output, cells, clock, tick, statistics, exact)
 
 
-def _tap_at(flags_key: int, cells: torch.Tensor) -> "OutputTap | None":
-    """The tap whose forward cells or backward row ``cells`` is (by address:
-    ``RecordingFlags.taps_at``), or None (its monitor closed or was collected). Compiled code hands
-    the ops tensors, not the tap: a per-layer constant would make each block of a regionally
-    compiled model a graph of its own. The precision a tap chose for the window is host state that
+def _tap_at(flags: "RecordingFlags | None", cells: torch.Tensor) -> "OutputTap | None":
+    """The tap of ``flags`` (an op's monitor, None once collected) whose forward cells or backward row
+    ``cells`` is (by address: ``RecordingFlags.taps_at``), or None (none: a copy of the cells, or the
+    monitor closed). Compiled code hands the ops tensors, not the tap: a per-layer constant would
+    make each block of a regionally compiled model a graph of its own. The precision a tap chose for the window is host state that
     changes at flushes, which a graph must not guard on. Unsampled steps never get here.
 
     Measured on the compiled MLP 8x512: with float64 reductions on every window, the ops' sampled
     steps copied each 256x512 output and gradient to float64 (~165 and ~80 us a layer), 2.3 ms of
     copies a sampled step (benchmarks/RESULTS.md, thirty-fourth session)."""
-    flags = _FLAGS.get(flags_key)
     return flags.taps_at.get(cells.data_ptr()) if flags is not None else None
 
 

@@ -997,8 +997,8 @@ def _count_taps_found(monkeypatch) -> dict:
     found: dict[bool, int] = {}
     real = host_branch._tap_at
 
-    def counting(flags_key, cells):
-        tap = real(flags_key, cells)
+    def counting(flags, cells):
+        tap = real(flags, cells)
         found[tap is not None] = found.get(tap is not None, 0) + 1
         return tap
 
