@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import contenders as C  # noqa: E402
+from benchmarks.compiled_floor import CompiledContractReadFloor  # noqa: E402
 from benchmarks import workloads as W  # noqa: E402
 from benchmarks.harness import (  # noqa: E402
     gradwatch_logger_at,
@@ -98,8 +99,18 @@ STEADY_CONTENDERS = [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(
                      C.gradwatch_contender(50, heatmap_budget=0.01)]  # fmt: skip
 
 
+#: ... and of its compiled runs (``--compiled``): every copy compiled whole with inductor, gradwatch
+#: against the per-step floor and the contract's floor compiled (``compiled_floor.py``: its sampled
+#: reads behind gated opaque ops, as gradwatch's compiled taps take them).
+COMPILED_STEADY_CONTENDERS = [
+    C.compiled(C.Unmonitored, "none, compiled"), C.compiled(C.UnmonitoredControl, "none (A/A), compiled"),
+    C.compiled(C.gradwatch_contender(50), "gradwatch flush=50, compiled"),
+    C.compiled(C.DefaultStepFloor, "default's read floor, compiled"), CompiledContractReadFloor,
+]  # fmt: skip
+
+
 def steady_section(windows: int, device: torch.device, flush_every: int = 50,
-                   workloads: list[str] | None = None) -> dict:  # fmt: skip
+                   workloads: list[str] | None = None, compiled: bool = False) -> dict:  # fmt: skip
     """What the default costs over whole windows in steady state: every step of ``windows`` windows
     after the first two, timed interleaved (the first flush imports matplotlib and lays the heatmap
     out, ~0.5 s; the second draws it again, since the first drawing is no measure of the next
@@ -107,13 +118,16 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50,
     window's sampled steps and its flush in their real proportion, which the paired median (a
     typical, unsampled step) does not see. Then gradwatch's gap to the contract's floor over whole
     windows with its interval, beside the A/A control's (``harness.window_gap``: what one run can
-    resolve). ``workloads``: names of the standard workloads to run (default all three)."""
-    print(f"\n# steady state: {windows} whole windows of {flush_every} steps after the first two; mean ratios")
+    resolve). ``workloads``: names of the standard workloads to run (default all three);
+    ``compiled``: the compiled contenders (:data:`COMPILED_STEADY_CONTENDERS`)."""
+    contenders = COMPILED_STEADY_CONTENDERS if compiled else STEADY_CONTENDERS
+    print(f"\n# steady state{', compiled' if compiled else ''}: {windows} whole windows of {flush_every} steps "
+          "after the first two; mean ratios")  # fmt: skip
     figures = {}
     for workload in W.standard():
         if workloads and not any(workload.name.startswith(name) for name in workloads):
             continue
-        results = measure(workload, STEADY_CONTENDERS, windows * flush_every, 2 * flush_every, device)
+        results = measure(workload, contenders, windows * flush_every, 2 * flush_every, device)
         base = results[0]
         print(f"## {workload.name}  (mean unmonitored step {base.mean * 1e3:.2f} ms)")
         figures[workload.name] = {}
@@ -122,14 +136,20 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50,
             figures[workload.name][r.name] = {"mean_ratio": r.mean / base.mean, "paired_median": paired[0]}
             print(f"{r.name:36s} mean ratio {r.mean / base.mean:6.3f}   paired median {paired[0]:6.3f} "
                   f"[{paired[1]:.3f}, {paired[2]:.3f}]", flush=True)  # fmt: skip
-        by_name = {r.name: r for r in results}
-        gradwatch, control = by_name[STEADY_CONTENDERS[2].name], by_name[C.UnmonitoredControl.name]
-        for label, upper, lower in (("gradwatch above the contract's floor", gradwatch, by_name[C.ContractReadFloor.name]),
+        # by the contenders' kinds (gradwatch's default: the first gradwatch listed)
+        of_kind = list(zip(contenders, results))
+        gradwatch = next(r for r in results if r.name.startswith("gradwatch"))
+        control = next(r for k, r in of_kind if issubclass(k, C.UnmonitoredControl))
+        floor = next(r for k, r in of_kind if issubclass(k, C.ContractReadFloor))
+        step_floor = next(r for k, r in of_kind
+                          if issubclass(k, C.DefaultStepFloor) and not issubclass(k, (C.ContractReadFloor, C.OutputReadFloor)))
+        for label, upper, lower in (("gradwatch above the contract's floor", gradwatch, floor),
+                                    ("gradwatch above the per-step floor", gradwatch, step_floor),
                                     ("A/A: the control above the unmonitored run", control, base)):  # fmt: skip
             gap = window_gap(base, upper, lower, flush_every)
             figures[workload.name][label] = gap
             print(f"  {label}: {gap[0]:+.2f} points [{gap[1]:+.2f}, {gap[2]:+.2f}] over {gap[3]} windows", flush=True)
-        for watched in (r for r in results if r.name.startswith(("gradwatch", "contract"))):
+        for watched in (r for r in results if r.name.startswith(("gradwatch", "contract", "default"))):
             parts = window_parts(results[0], results[1], watched, flush_every)
             figures[workload.name][f"parts of {watched.name}"] = parts
             print(f"  where {watched.name}'s mean goes, points of the unmonitored time (A/A in brackets): "
@@ -199,6 +219,7 @@ def _main() -> None:
     parser.add_argument("--only", help="comma-separated sections: standard, real, compiled, depth, flush, steady")
     parser.add_argument("--windows", type=int, default=4, help="steady section: whole windows timed (default 4)")
     parser.add_argument("--workloads", help="steady section: comma-separated, of mlp, resnet, transformer (default all)")
+    parser.add_argument("--compiled", action="store_true", help="steady section: every copy compiled (inductor)")
     args = parser.parse_args()
     sections = set(args.only.split(",")) if args.only else {"standard", "real", "compiled", "depth", "flush", "steady"}
     if args.skip_real:
@@ -235,7 +256,8 @@ def _main() -> None:
 
     if "steady" in sections:
         report["steady"] = steady_section(1 if args.quick else args.windows, device,
-                                          workloads=args.workloads.split(",") if args.workloads else None)  # fmt: skip
+                                          workloads=args.workloads.split(",") if args.workloads else None,
+                                          compiled=args.compiled)  # fmt: skip
 
     if "depth" in sections:
         depths = (16, 64) if args.quick else (16, 64, 256)

@@ -270,6 +270,56 @@ def test_contract_read_floor_writes_what_the_default_writes(cpu_reductions, tiny
             assert value == pytest.approx(theirs[tag][step], rel=1e-4, abs=1e-6), (tag, step)
 
 
+def test_the_compiled_contract_floor_reads_on_sampled_steps_only_what_the_eager_floor_reads_in_one_graph():
+    # The contract's read floor compiled (benchmarks/compiled_floor.py): its sampled reads go through
+    # gated opaque ops, so the model compiles to one graph with no break, the ops read on the planned
+    # sampled steps only (each layer's output and output gradient once a sampled step), and it writes
+    # the tags, steps and values of the eager floor, which the test above holds to gradwatch's default
+    # (aot_eager: the same ops and graph as inductor's, without inductor's ~20 s compile).
+    import copy
+
+    import torch._dynamo
+
+    from benchmarks.compiled_floor import CompiledContractReadFloor
+
+    from .conftest import read_scalars
+
+    tiny = W.mlp(depth=3, width=32, batch=8)
+    torch.manual_seed(0)
+    base = tiny.make_model()
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    eager = C.ContractReadFloor(copy.deepcopy(base), tiny, _CPU)
+    compiled = CompiledContractReadFloor(copy.deepcopy(base), tiny, _CPU, backend="aot_eager")
+    compiled.batch = eager.batch
+    reads: list[tuple[str, int, int]] = []
+    for kind in ("output", "out_grad"):
+        method = getattr(compiled, f"read_sampled_{kind}")
+        setattr(compiled, f"read_sampled_{kind}",
+                lambda layer, t, kind=kind, method=method: (reads.append((kind, compiled.slot, layer)), method(layer, t)))
+    for _ in range(60):  # a window of 50 and part of the next
+        eager.step()
+        compiled.step()
+    eager.sink.writer.flush()
+    compiled.sink.writer.flush()
+    ours, theirs = read_scalars(compiled.logdir), read_scalars(eager.logdir)
+    eager.close()
+    compiled.close()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    layers = len(compiled.names)
+    sampled = [t for t in range(60) if compiled.sampled[t % 50]]
+    assert len(sampled) >= 2
+    assert sorted(reads) == sorted((kind, t % 50, i) for kind in ("output", "out_grad") for t in sampled
+                                   for i in range(layers))  # fmt: skip
+    assert set(ours) == set(theirs) and any("act_rms" in tag for tag in ours)
+    for tag, values in theirs.items():
+        assert set(ours[tag]) == set(values), tag
+        for step, value in values.items():
+            assert ours[tag][step] == pytest.approx(value, rel=1e-5, abs=1e-7), (tag, step)
+    torch._dynamo.reset()
+
+
 def test_window_gap_is_the_mean_over_whole_windows_of_the_difference_in_points():
     # Three windows of four rounds (and two rounds that make no whole window, left out). The second
     # window's flush round costs the watched contender 2.0 more: worked out by hand, the gaps are

@@ -1,0 +1,154 @@
+"""The contract's read floor inside compiled code (#30): :class:`contenders.ContractReadFloor`'s reads
+and writes, with the reads of sampled steps behind gated opaque ops, as gradwatch's compiled taps
+take them (``gradwatch/capture/host_branch.py``).
+
+A compiled model cannot branch on the host's "is this step sampled" without a graph per kind of step,
+so any implementation of the contract's sampled statistics in compiled code needs what gradwatch
+does: an op in the graph that the generated code calls only on sampled steps. Here each layer's
+forward hook (traced) sums its output (the per-step check, fused into the model's kernels as in
+the compiled per-step floor), calls one such op with its output and registers a tensor hook that
+calls the other with its output gradient. The ops run eagerly on sampled steps and make the eager
+floor's reads (the cheapest known on the CPU, in the tensor's dtype); inductor's wrapper calls their
+kernels directly behind a dict read (gradwatch's ``_compat.inductor``: no dispatcher, no Python
+frame on an unsampled step). The parameter gradients' norms, max |g| and the flush are the eager
+floor's: they run outside the compiled code.
+
+What it leaves out, so that it stays a floor: the taps' cells (the ops keep their reads in Python
+lists, as the eager floor does), the forward order, exact reductions, every check and the
+bookkeeping of ``step()``. Its layer index is a constant in the graph (a model compiled whole, as the
+benchmarks compile it; a regionally compiled model would recompile per block), and its ops declare
+one shared tensor as written (one graph input for every layer) so that they stay in the graph.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import sys
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradwatch._compat import inductor as inductor_compat
+
+from . import contenders as C
+
+_NAMESPACE = "gradwatch_bench"
+#: key -> the floor whose ops these are (weakly: a closed floor's ops read nothing)
+_FLOORS: "weakref.WeakValueDictionary[int, CompiledContractReadFloor]" = weakref.WeakValueDictionary()
+#: key -> whether its floor's step is sampled: what inductor's wrapper reads before it calls the ops
+GATE: "collections.defaultdict[int, bool]" = collections.defaultdict(bool)
+
+
+def _read_output(output: torch.Tensor, sink: torch.Tensor, key: int, layer: int) -> None:
+    if not GATE[key]:
+        return
+    floor = _FLOORS.get(key)
+    if floor is not None:
+        floor.read_sampled_output(layer, output)
+
+
+def _read_out_grad(grad: torch.Tensor, sink: torch.Tensor, key: int, layer: int) -> None:
+    if not GATE[key]:
+        return
+    floor = _FLOORS.get(key)
+    if floor is not None:
+        floor.read_sampled_out_grad(layer, grad)
+
+
+_SCHEMAS = {
+    "read_output": ("(Tensor output, Tensor(a!) sink, int key, int layer) -> ()", _read_output),
+    "read_out_grad": ("(Tensor grad, Tensor(a!) sink, int key, int layer) -> ()", _read_out_grad),
+}
+_OP_NAMES = tuple(f"torch.ops.{_NAMESPACE}.{name}.gated" for name in _SCHEMAS)
+
+
+def _call_directly() -> None:
+    """Inductor's wrapper calls the ops' kernels behind their gate (gradwatch's codegen), once its code
+    generation is loaded: the fake kernels run while AOTAutograd traces, before it generates code."""
+    module = sys.modules.get("torch._inductor.codegen.custom_extern_kernel_codegen")
+    if module is not None:
+        for name in _OP_NAMES:
+            module.CUSTOM_EXTERN_KERNEL_CODEGEN.setdefault(name, module.CustomCodegen(python=inductor_compat._direct_call))
+
+
+def _returns_nothing(*args: Any) -> None:
+    _call_directly()
+
+
+def _define_ops() -> "torch.library.Library":
+    tags = tuple(getattr(torch.Tag, name) for name in ("flexible_layout", "cudagraph_unsafe") if hasattr(torch.Tag, name))
+    library = torch.library.Library(_NAMESPACE, "DEF")
+    for name, (schema, kernel) in _SCHEMAS.items():
+        library.define(f"{name}.gated{schema}", tags=tags)
+        library.impl(f"{name}.gated", kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{_NAMESPACE}::{name}.gated", _returns_nothing, lib=library)
+        inductor_compat.attach_kernel(getattr(getattr(torch.ops, _NAMESPACE), name).gated, kernel, GATE, "key")
+    return library
+
+
+_LIBRARY = _define_ops()
+read_output = torch.ops.gradwatch_bench.read_output.gated
+read_out_grad = torch.ops.gradwatch_bench.read_out_grad.gated
+
+
+class CompiledContractReadFloor(C.ContractReadFloor):
+    """:class:`contenders.ContractReadFloor` with the model compiled (inductor), its sampled reads behind
+    gated opaque ops (module docstring). Device-agnostic, like the eager floor."""
+
+    name = "contract's read floor, compiled"
+    compiled = True
+
+    def __init__(self, model: nn.Module, workload: Any, device: torch.device, flush_every: int = 50,
+                 cpu_reductions: bool | None = None, backend: str = "inductor") -> None:  # fmt: skip
+        self.key = next(k for k in itertools.count(1) if k not in _FLOORS)
+        _FLOORS[self.key] = self
+        #: what the ops declare they write (nothing is written): one tensor every layer's call names
+        self.written = torch.zeros(1, device=device)
+        self.backend = backend
+        super().__init__(model, workload, device, flush_every, cpu_reductions)
+        self.dims = [layer.unit_dim for layer in self.layers]
+
+    def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        out = C._first_tensor(output)
+        if out is None or not out.is_floating_point():
+            return
+        torch._C._set_grad_enabled(False)
+        self.results.append(out.sum())
+        layer = self.index[id(module)]
+        read_output(out, self.written, self.key, layer)
+        if out.requires_grad:
+            out.register_hook(lambda g: self._out_grad_hook(g, layer))
+        torch._C._set_grad_enabled(True)
+
+    def _out_grad_hook(self, grad: torch.Tensor, layer: int) -> torch.Tensor:
+        read_out_grad(grad, self.written, self.key, layer)
+        return grad
+
+    def read_sampled_output(self, layer: int, out: torch.Tensor) -> None:
+        """The eager floor's sampled reads of one output (run by the op, on sampled steps)."""
+        module = self.layers[layer].module
+        layers = self.alias.get(id(module), (layer,))
+        read = (C._square_sum(out), C.outputs._nonzeros(out, torch.float64, True)[0], out.numel())
+        for i in layers:
+            self.outputs[-1][i] = read
+
+    def read_sampled_out_grad(self, layer: int, grad: torch.Tensor) -> None:
+        """The eager floor's sampled reads of one output gradient (run by the op, on sampled steps)."""
+        module = self.layers[layer].module
+        layers = self.alias.get(id(module), (layer,))
+        if grad.ndim:
+            self._grad_hook(grad, layers, self.dims[layer](grad.ndim) % grad.ndim)
+
+    def step(self) -> None:
+        if self._run is None:
+            self._run = C.compile_alone(self.model, backend=self.backend)
+        GATE[self.key] = bool(self.sampled[self.slot])
+        super().step()
+
+    def close(self) -> None:
+        GATE[self.key] = False
+        _FLOORS.pop(self.key, None)
+        super().close()
