@@ -19,8 +19,9 @@
    the queued steps to finish, the one sync of a window).
 3. Overhead: the interleaved ratio (and paired per-round ratio) to an unmonitored copy, steps
    timed with synchronize: the standard workloads eager, and compiled (gradwatch compiled into
-   the model against the same model compiled without it, the read floor beside it; eager, the
-   contract's read floor too: what the default must read and write over whole windows). Without
+   the model against the same model compiled without it, the per-step read floor and the
+   contract's read floor compiled beside it, ``compiled_floor.py``; eager, the contract's read
+   floor too: what the default must read and write over whole windows). Without
    ``--quick`` every contender of the CPU tables, the depth sweep and the real models too.
 
 The device's budget is short (15 minutes a session in this project, the machine's start
@@ -46,6 +47,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import contenders as C  # noqa: E402
+from benchmarks.compiled_floor import CompiledContractReadFloor  # noqa: E402
 from benchmarks import flush_cost  # noqa: E402
 from benchmarks import kernel_count  # noqa: E402
 from benchmarks import workloads as W  # noqa: E402
@@ -66,7 +68,8 @@ QUICK_CONTENDERS = [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(5
 #: no A/A copy here; the compiled tables come last, where a run cut short loses the least.
 QUICK_COMPILED = [C.compiled(C.Unmonitored, "none, compiled"),
                   C.compiled(C.gradwatch_contender(50), "gradwatch flush=50, compiled"),
-                  C.compiled(C.DefaultStepFloor, "default's read floor, compiled")]  # fmt: skip
+                  C.compiled(C.DefaultStepFloor, "default's read floor, compiled"),
+                  CompiledContractReadFloor]  # fmt: skip
 
 
 def no_sync_check(workload, device: torch.device, steps: int = 30, detail: str = "standard",

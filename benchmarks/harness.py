@@ -56,6 +56,40 @@ def balanced_orders(n: int) -> list[list[int]]:
     return orders if n % 2 == 0 else orders + [order[::-1] for order in orders]
 
 
+#: glibc's ``mallopt`` parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def steady_allocator() -> bool:
+    """Have glibc's malloc keep the memory a CPU run frees, so that a step's allocations cost the same
+    for every model copy in the process: blocks up to 32 MiB from the heap rather than fresh
+    mappings, and the heap's top never handed back to the system. Returns whether it applied (glibc
+    only); call it before the models are made.
+
+    With glibc's defaults, a block above its dynamic threshold (128 KiB at first) is a mapping of
+    its own, zero-filled page by page when touched again, and freed memory at the top of the heap is
+    given back; which of a copy's tensors land where depends on when it was made and next to what.
+    Measured on the compiled MLP 8x512 (benchmarks/RESULTS.md, thirty-fifth session), per phase of
+    a step, medians over 400 interleaved steps: the optimizer's step took 7.8-8.3 ms by the copy
+    (none, gradwatch, the two floors) with the defaults and 5.3-5.5 ms for all of them with this;
+    the unmonitored copy and its A/A twin then differed by 23 us in a 30 ms step. This is what
+    made one process resolve only about a point between contenders (thirty-fourth session), and it
+    is what an allocator that keeps its memory (PyTorch's tuning guide suggests jemalloc or
+    tcmalloc for CPU training) does too. Accelerators' caching allocators keep theirs anyway."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to set
+        return False
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+
+
 def measure(workload, contender_types, rounds: int, warmup: int, device: torch.device,
             sync: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter) -> list[Result]:  # fmt: skip
     """Time ``rounds`` steps of each contender, interleaved in :func:`balanced_orders` taken in turn, on

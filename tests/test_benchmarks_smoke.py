@@ -320,6 +320,44 @@ def test_the_compiled_contract_floor_reads_on_sampled_steps_only_what_the_eager_
     torch._dynamo.reset()
 
 
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="glibc's mallopt")
+def test_the_steady_allocator_serves_large_blocks_from_the_heap_and_keeps_what_is_freed():
+    # harness.steady_allocator, in a process of its own (it changes the process's allocator), judged
+    # by glibc's own accounting (mallinfo2): a 4 MiB block, a mapping of its own with glibc's
+    # defaults, comes from the heap after it, and freeing it hands nothing back to the system.
+    import subprocess
+    import sys
+
+    script = """
+import ctypes, ctypes.util
+from benchmarks.harness import steady_allocator
+
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.mallinfo2.restype, libc.malloc.restype, libc.free.argtypes = Info, ctypes.c_void_p, [ctypes.c_void_p]
+def mapped_and_heap(size):
+    block = libc.malloc(size)
+    during = libc.mallinfo2()
+    libc.free(block)
+    after = libc.mallinfo2()
+    return during.hblks, during.arena, after.arena
+mapped, _, _ = mapped_and_heap(4 << 20)
+assert mapped >= 1, mapped  # the default: a mapping of its own
+assert steady_allocator()
+mapped, during, after = mapped_and_heap(4 << 20)
+assert mapped == 0 and during >= 4 << 20 and after == during, (mapped, during, after)
+print("ok")
+"""
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
 def test_window_gap_is_the_mean_over_whole_windows_of_the_difference_in_points():
     # Three windows of four rounds (and two rounds that make no whole window, left out). The second
     # window's flush round costs the watched contender 2.0 more: worked out by hand, the gaps are

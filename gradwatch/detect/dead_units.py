@@ -54,6 +54,9 @@ class DeadUnitsRule:
         self.alive: list[np.ndarray | None] = [None] * n
         self.rows = np.zeros(n, dtype=np.int64)
         self.steps = np.zeros(n, dtype=np.int64)
+        #: the layer's pending evidence includes a window recorded at every step (a confirmation's):
+        #: what makes it conclusive below every unit dead
+        self.full_evidence = np.zeros(n, dtype=bool)
         #: layers whose sampled steps said dead: judged again on every step of the next window(s)
         self.confirming = np.zeros(n, dtype=bool)
         self.confirm_windows = np.zeros(n, dtype=np.int64)  # windows spent confirming without a verdict
@@ -92,16 +95,21 @@ class DeadUnitsRule:
             self.alive[i] = alive.copy() if self.alive[i] is None else (self.alive[i] | alive)
             self.rows[i] += int(w.rows_seen[i])
             self.steps[i] += int(w.steps_judged[i]) if w.steps_judged is not None else 1
+            self.full_evidence[i] |= every_step
             if self.rows[i] < cfg.dead_min_samples or self.steps[i] < MIN_STEPS:
                 # Too little evidence yet: one sample silences about half of a healthy ReLU layer,
                 # and one step can be a transient (a gate or ReZero factor still at zero).
                 continue
             fraction = 1.0 - float(np.mean(self.alive[i]))
             rows, steps = int(self.rows[i]), int(self.steps[i])
-            self.alive[i], self.rows[i], self.steps[i] = None, 0, 0
-            # Every unit silent on every sampled row of enough samples is conclusive (a unit that fires
-            # on a few rows in between reads dead only where some units fire on none of those rows).
-            confirmed = every_step or self.confirming[i] or fraction >= 1.0
+            confirmed = bool(self.full_evidence[i]) or fraction >= 1.0
+            self.alive[i], self.rows[i], self.steps[i], self.full_evidence[i] = None, 0, 0, False
+            # Conclusive: evidence that includes a window recorded at every step, or every unit silent
+            # on every sampled row of enough samples (a unit that fires on a few rows in between reads
+            # dead only where some units fire on none of those rows). A layer asked to be confirmed
+            # whose next window was not recorded in full (the model backing off, ``quiet_for``) is
+            # not: its sampled rows alone read 50-57% dead on a deep LayerNorm + ReLU stack whose
+            # every step said 29-38% (benchmarks/RESULTS.md, thirty-fifth session).
             if confirmed and suspected[i] and fraction < cfg.dead_fraction:  # a confirmation found it alive
                 self.cooldown[i] = backoff(int(self.found_alive[i]))
                 self.found_alive[i] += 1

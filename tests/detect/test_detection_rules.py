@@ -405,6 +405,46 @@ def test_units_firing_on_few_rows_are_not_called_dead_from_the_sampled_steps():
     assert [a for a in monitor.alerts if a.kind == "dead_units"] == []
 
 
+def test_a_layer_suspected_while_the_model_backs_off_is_not_called_dead_from_its_sampled_steps():
+    # Two rarely active layers in parallel branches. a's confirmations (whole windows recorded at
+    # every step) find it alive, so the model backs off (DeadUnitsRule.quiet_for: no borderline
+    # layer is confirmed for 1, 2, ... windows). b fires on most rows until step 75, then on few:
+    # its sampled steps (64 rows) read it ~60% dead while, by the test's own count over every row
+    # of each window, at most 16% of its units are silent. Suspected while the model backs off, its
+    # next window is not recorded in full, and its sampled rows alone must not raise the alert
+    # (they did: "59% ... of the 64 samples of 2 steps"); it waits for a window in full instead.
+    class TwoBranches(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            (self.gate_a, self.a), (self.gate_b, self.b) = _rarely_active_layer(), _rarely_active_layer()
+
+        def forward(self, x):
+            return self.a(x) + self.b(x)
+
+    torch.manual_seed(0)
+    model = TwoBranches()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the layers stay as they are
+    monitor = GradMonitor(model, flush_every=25, optimizer=opt)
+    silent, alive = [], torch.zeros(64, dtype=torch.bool)
+    for step in range(200):
+        with torch.no_grad():
+            model.gate_b.bias.fill_(1.0 if step < 75 else -2.33)
+        x = torch.randn(32, 16)
+        alive |= (model.gate_b(x) > 0).any(0)  # the test's own count: a ReLU unit passes gradient where it fires
+        model(x).sum().backward()
+        monitor.step()
+        opt.step()
+        opt.zero_grad()
+        if step % 25 == 24:
+            silent.append(1 - alive.double().mean().item())
+            alive[:] = False
+    rule = monitor._stages.pipeline.checks.dead
+    monitor.close()
+    assert max(silent) < 0.3, silent  # b is not dead over any window
+    assert [a.message for a in monitor.alerts if a.kind == "dead_units"] == []
+    assert rule.confirming[rule.layers.index("gate_b")]  # its confirmation waits for a window in full
+
+
 def _dead_gate_run(steps: int, batch: int, flush_every: int = 25, dead_from=lambda step: 48, alive_bias: float = -2.33):
     """The rarely active layer with ``dead_from(step)`` of its 64 units dead (bias -100), the others
     at ``alive_bias`` (1.0: active on most rows); returns (monitor, each flush's sampled slots, the
