@@ -42,25 +42,22 @@ _FLOORS: "weakref.WeakValueDictionary[int, CompiledContractReadFloor]" = weakref
 GATE: "collections.defaultdict[int, bool]" = collections.defaultdict(bool)
 
 
-def _read_output(output: torch.Tensor, sink: torch.Tensor, key: int, layer: int) -> None:
-    if not GATE[key]:
-        return
-    floor = _FLOORS.get(key)
-    if floor is not None:
-        floor.read_sampled_output(layer, output)
+def _kernel(read: str):
+    """An op's Python kernel: on its floor's sampled steps, the floor's method ``read`` of (layer, tensor)."""
 
+    def kernel(tensor: torch.Tensor, written: torch.Tensor, key: int, layer: int) -> None:
+        if not GATE[key]:
+            return
+        floor = _FLOORS.get(key)
+        if floor is not None:
+            getattr(floor, read)(layer, tensor)
 
-def _read_out_grad(grad: torch.Tensor, sink: torch.Tensor, key: int, layer: int) -> None:
-    if not GATE[key]:
-        return
-    floor = _FLOORS.get(key)
-    if floor is not None:
-        floor.read_sampled_out_grad(layer, grad)
+    return kernel
 
 
 _SCHEMAS = {
-    "read_output": ("(Tensor output, Tensor(a!) sink, int key, int layer) -> ()", _read_output),
-    "read_out_grad": ("(Tensor grad, Tensor(a!) sink, int key, int layer) -> ()", _read_out_grad),
+    "read_output": ("(Tensor output, Tensor(a!) written, int key, int layer) -> ()", _kernel("read_sampled_output")),
+    "read_out_grad": ("(Tensor grad, Tensor(a!) written, int key, int layer) -> ()", _kernel("read_sampled_out_grad")),
 }
 _OP_NAMES = tuple(f"torch.ops.{_NAMESPACE}.{name}.gated" for name in _SCHEMAS)
 
