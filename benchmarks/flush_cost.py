@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import workloads as W  # noqa: E402
-from benchmarks.harness import gradwatch_logger_at, time_calls  # noqa: E402
+from benchmarks.harness import allocator_option, gradwatch_logger_at, time_calls, use_allocator  # noqa: E402
 from gradwatch import GradMonitor  # noqa: E402
 from gradwatch.capture.layout import planned_slots  # noqa: E402
 from gradwatch.settings import DETAILS  # noqa: E402
@@ -98,7 +98,9 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument("--workloads", default="mlp,deep",
                         help=f"comma-separated, of {', '.join(WORKLOADS)} (default mlp,deep)")
+    allocator_option(parser)
     args = parser.parse_args()
+    print(f"# allocator {use_allocator(args.allocator)}")
     report = {}
     with gradwatch_logger_at(logging.ERROR):
         for workload in (WORKLOADS[name]() for name in args.workloads.split(",")):

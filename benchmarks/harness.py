@@ -90,6 +90,18 @@ def steady_allocator() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
 
 
+def allocator_option(parser) -> None:  # type: ignore[no-untyped-def]
+    """A script's ``--allocator`` option: steady (:func:`steady_allocator`, the default) or glibc's own."""
+    parser.add_argument("--allocator", choices=("steady", "default"), default="steady",
+                        help="steady (default): glibc keeps freed memory (harness.steady_allocator), so that every "
+                             "model copy's allocations cost alike; default: glibc's own settings")  # fmt: skip
+
+
+def use_allocator(choice: str) -> str:
+    """Apply ``--allocator`` (scripts' ``main`` only: it is process-wide); returns what is in use."""
+    return "steady" if choice == "steady" and steady_allocator() else "default"
+
+
 def measure(workload, contender_types, rounds: int, warmup: int, device: torch.device,
             sync: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter) -> list[Result]:  # fmt: skip
     """Time ``rounds`` steps of each contender, interleaved in :func:`balanced_orders` taken in turn, on

@@ -38,8 +38,9 @@ from benchmarks.harness import (  # noqa: E402
     measure,
     ops_per_step,
     paired_ratio,
+    allocator_option,
     per_layer_us,
-    steady_allocator,
+    use_allocator,
     window_gap,
 )
 
@@ -221,11 +222,9 @@ def _main() -> None:
     parser.add_argument("--windows", type=int, default=4, help="steady section: whole windows timed (default 4)")
     parser.add_argument("--workloads", help="steady section: comma-separated, of mlp, resnet, transformer (default all)")
     parser.add_argument("--compiled", action="store_true", help="steady section: every copy compiled (inductor)")
-    parser.add_argument("--allocator", choices=("steady", "default"), default="steady",
-                        help="steady (default): glibc keeps freed memory (harness.steady_allocator), so that every "
-                             "model copy's allocations cost alike; default: glibc's own settings")  # fmt: skip
+    allocator_option(parser)
     args = parser.parse_args()
-    steady = args.allocator == "steady" and steady_allocator()
+    allocator = use_allocator(args.allocator)
     sections = set(args.only.split(",")) if args.only else {"standard", "real", "compiled", "depth", "flush", "steady"}
     if args.skip_real:
         sections.discard("real")
@@ -236,9 +235,9 @@ def _main() -> None:
     device = torch.device("cpu")
     print(f"# gradwatch overhead  torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{platform.processor() or platform.machine()}, python {platform.python_version()}, "
-          f"allocator {'steady' if steady else 'default'}")  # fmt: skip
+          f"allocator {allocator}")  # fmt: skip
     report: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "workloads": {},
-                    "allocator": "steady" if steady else "default"}
+                    "allocator": allocator}
 
     for workload in W.standard() if "standard" in sections else []:
         results = measure(workload, C.standard(), rounds, warmup, device)

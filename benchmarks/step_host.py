@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import contenders as C  # noqa: E402
 from benchmarks import workloads as W  # noqa: E402
+from benchmarks.harness import allocator_option, use_allocator  # noqa: E402
 from gradwatch import GradMonitor  # noqa: E402
 
 
@@ -118,7 +119,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="the host work does not depend on it")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--compiled", action="store_true", help="both copies compiled; the forward timed too")
+    allocator_option(parser)
     args = parser.parse_args()
+    print(f"# allocator {use_allocator(args.allocator)}")
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     figures = {}
     print(f"{'blocks':>6} {'layers':>6} {'steps':>5} {'step() us':>10} {'floor us':>9} {'above/layer us':>15}"

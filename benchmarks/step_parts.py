@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import workloads as W  # noqa: E402
-from benchmarks.harness import gradwatch_logger_at, time_calls  # noqa: E402
+from benchmarks.harness import allocator_option, gradwatch_logger_at, time_calls, use_allocator  # noqa: E402
 from gradwatch import GradMonitor  # noqa: E402
 from gradwatch.capture import reductions  # noqa: E402
 from gradwatch.capture.layout import planned_slots  # noqa: E402
@@ -86,7 +86,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mlp")
     parser.add_argument("--steps", type=int, default=300, help="training steps (default 300: five windows)")
+    allocator_option(parser)
     args = parser.parse_args()
+    print(f"# allocator {use_allocator(args.allocator)}")
     with gradwatch_logger_at(logging.ERROR):
         result = measure(WORKLOADS[args.workload](), args.steps)
     order = ["pipeline.step", "  backward witnesses: read", "  record_step", "    parameter gradients",
