@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import sys
 import weakref
 from typing import Any
 
@@ -62,17 +61,10 @@ _SCHEMAS = {
 _OP_NAMES = tuple(f"torch.ops.{_NAMESPACE}.{name}.gated" for name in _SCHEMAS)
 
 
-def _call_directly() -> None:
-    """Inductor's wrapper calls the ops' kernels behind their gate (gradwatch's codegen), once its code
-    generation is loaded: the fake kernels run while AOTAutograd traces, before it generates code."""
-    module = sys.modules.get("torch._inductor.codegen.custom_extern_kernel_codegen")
-    if module is not None:
-        for name in _OP_NAMES:
-            module.CUSTOM_EXTERN_KERNEL_CODEGEN.setdefault(name, module.CustomCodegen(python=inductor_compat._direct_call))
-
-
 def _returns_nothing(*args: Any) -> None:
-    _call_directly()
+    """The ops' fake kernel: it runs while AOTAutograd traces, before inductor generates code, the
+    moment to have inductor call the kernels directly (as gradwatch's own ops do)."""
+    inductor_compat.call_directly(_OP_NAMES)
 
 
 def _define_ops() -> "torch.library.Library":
@@ -106,19 +98,15 @@ class CompiledContractReadFloor(C.ContractReadFloor):
         self.written = torch.zeros(1, device=device)
         self.backend = backend
         super().__init__(model, workload, device, flush_every, cpu_reductions)
-        self.dims = [layer.unit_dim for layer in self.layers]
 
-    def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        out = C._first_tensor(output)
-        if out is None or not out.is_floating_point():
-            return
-        torch._C._set_grad_enabled(False)
-        self.results.append(out.sum())
+    def _read(self, module: nn.Module, out: torch.Tensor) -> None:
+        """Traced, at every step (grad mode off): the per-step floor's sum, then the sampled reads'
+        op, and a tensor hook that calls the other op with the output gradient."""
+        C.DefaultStepFloor._read(self, module, out)
         layer = self.index[id(module)]
         read_output(out, self.written, self.key, layer)
         if out.requires_grad:
             out.register_hook(lambda g: self._out_grad_hook(g, layer))
-        torch._C._set_grad_enabled(True)
 
     def _out_grad_hook(self, grad: torch.Tensor, layer: int) -> torch.Tensor:
         read_out_grad(grad, self.written, self.key, layer)
@@ -126,18 +114,13 @@ class CompiledContractReadFloor(C.ContractReadFloor):
 
     def read_sampled_output(self, layer: int, out: torch.Tensor) -> None:
         """The eager floor's sampled reads of one output (run by the op, on sampled steps)."""
-        module = self.layers[layer].module
-        layers = self.alias.get(id(module), (layer,))
-        read = (C._square_sum(out), C.outputs._nonzeros(out, torch.float64, True)[0], out.numel())
-        for i in layers:
-            self.outputs[-1][i] = read
+        self._sampled_output(out, self._written_for(layer))
 
     def read_sampled_out_grad(self, layer: int, grad: torch.Tensor) -> None:
         """The eager floor's sampled reads of one output gradient (run by the op, on sampled steps)."""
-        module = self.layers[layer].module
-        layers = self.alias.get(id(module), (layer,))
         if grad.ndim:
-            self._grad_hook(grad, layers, self.dims[layer](grad.ndim) % grad.ndim)
+            layers = self._written_for(layer)
+            self._grad_hook(grad, layers, self._unit_dim(layers, grad))
 
     def step(self) -> None:
         if self._run is None:

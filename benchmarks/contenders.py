@@ -401,13 +401,24 @@ class ContractReadFloor(DefaultStepFloor):
         super()._read(module, out)
         if not self.sampled[self.slot]:
             return
-        layers = self.alias.get(id(module), (self.index[id(module)],))
+        layers = self._written_for(self.index[id(module)])
+        self._sampled_output(out, layers)
+        if out.requires_grad and out.ndim:
+            dim = self._unit_dim(layers, out)
+            out.register_hook(lambda g: self._grad_hook(g, layers, dim))
+
+    def _written_for(self, layer: int) -> tuple[int, ...]:
+        """The layers a read of ``layer``'s output is written for (a MultiheadAttention's: its out_proj's too)."""
+        return self.alias.get(id(self.layers[layer].module), (layer,))
+
+    def _unit_dim(self, layers: tuple[int, ...], out: torch.Tensor) -> int:
+        return self.layers[layers[0]].unit_dim(out.ndim) % out.ndim
+
+    def _sampled_output(self, out: torch.Tensor, layers: tuple[int, ...]) -> None:
+        """A sampled step's reads of one output (act_rms, act_zero_fraction), kept for ``layers``."""
         read = (_square_sum(out), outputs._nonzeros(out, torch.float64, True)[0], out.numel())
         for layer in layers:
             self.outputs[-1][layer] = read
-        if out.requires_grad and out.ndim:
-            dim = self.layers[layers[0]].unit_dim(out.ndim) % out.ndim
-            out.register_hook(lambda g: self._grad_hook(g, layers, dim))
 
     def _grad_hook(self, grad: torch.Tensor, layers: tuple[int, ...], dim: int) -> None:
         read = (_square_sum(grad), self._unit_evidence(grad, dim))

@@ -48,9 +48,8 @@ def balanced_orders(n: int) -> list[list[int]]:
     sessions (by 0.05-0.78 points): with these orders it still did (-0.6 to -0.9 points in three
     compiled MLP runs), and it moved with how the copies were made, not with the order (made in
     reverse: +0.04; listed first, the unmonitored copy made second read -1.0; after a decoy copy
-    made and stepped first: +0.69). Each copy's placement in memory costs or saves it up to ~1
-    point for the whole process: one process cannot resolve less between two contenders, several
-    processes can (benchmarks/RESULTS.md, thirty-fourth session)."""
+    made and stepped first: +0.69; thirty-fourth session). That was glibc's allocator, where each
+    copy's large blocks landed: :func:`steady_allocator` removes most of it (thirty-fifth session)."""
     first = [(k + 1) // 2 if k % 2 else (n - k // 2) % n for k in range(n)]  # 0, 1, n-1, 2, n-2, ...
     orders = [[(c + shift) % n for c in first] for shift in range(n)]
     return orders if n % 2 == 0 else orders + [order[::-1] for order in orders]
@@ -80,12 +79,11 @@ def steady_allocator() -> bool:
     import ctypes.util
 
     name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to set
+    if not name:
         return False
-    if mallopt is None:
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to set
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
 

@@ -31,6 +31,7 @@ from benchmarks import contenders as C  # noqa: E402
 from benchmarks.compiled_floor import CompiledContractReadFloor  # noqa: E402
 from benchmarks import workloads as W  # noqa: E402
 from benchmarks.harness import (  # noqa: E402
+    allocator_option,
     gradwatch_logger_at,
     figure_table,
     format_table,
@@ -38,7 +39,6 @@ from benchmarks.harness import (  # noqa: E402
     measure,
     ops_per_step,
     paired_ratio,
-    allocator_option,
     per_layer_us,
     use_allocator,
     window_gap,
@@ -152,7 +152,7 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50,
             figures[workload.name][label] = gap
             print(f"  {label}: {gap[0]:+.2f} points [{gap[1]:+.2f}, {gap[2]:+.2f}] over {gap[3]} windows", flush=True)
         for watched in (r for r in results if r.name.startswith(("gradwatch", "contract", "default"))):
-            parts = window_parts(results[0], results[1], watched, flush_every)
+            parts = window_parts(base, control, watched, flush_every)
             figures[workload.name][f"parts of {watched.name}"] = parts
             print(f"  where {watched.name}'s mean goes, points of the unmonitored time (A/A in brackets): "
                   + ", ".join(f"{k} {v[0]:+.2f} [{v[1]:+.2f}]" for k, v in parts.items()))  # fmt: skip

@@ -43,7 +43,8 @@ DIRECT_KERNEL = "gradwatch_kernel"
 #: ... and the one that holds its gate (named in cached code too): a mapping that answers every key
 GATE = "gradwatch_gate"
 _CODEGEN_MODULE = "torch._inductor.codegen.custom_extern_kernel_codegen"
-_registered = False
+#: the op names whose direct calls are registered (each op's fake kernel asks at every trace)
+_registered: set[str] = set()
 #: ``str(OpOverload)`` ("<ns>.<op>.<overload>") -> the position of its gate's argument (ops with a gate)
 _gate_positions: dict[str, int] = {}
 
@@ -69,20 +70,21 @@ def attach_kernel(op: Any, kernel: Callable[..., None], gate: Mapping[int, bool]
 def call_directly(op_names: Iterable[str]) -> None:
     """Make inductor's Python wrapper call the ops named ``op_names`` (``torch.ops.<ns>.<op>.<overload>``)
     through :data:`DIRECT_KERNEL`, once its code generation is loaded (never imports it; until then,
-    and on a torch whose registry differs, the wrapper calls them through the dispatcher)."""
-    global _registered
-    if _registered:
+    and on a torch whose registry differs, the wrapper calls them through the dispatcher). Each name
+    is registered once, whoever defines the op (gradwatch's, and the benchmarks' floor's)."""
+    names = [name for name in op_names if name not in _registered]
+    if not names:
         return
     module = sys.modules.get(_CODEGEN_MODULE)
     if module is None:
         return
     try:
         registry, codegen = module.CUSTOM_EXTERN_KERNEL_CODEGEN, module.CustomCodegen
-        for name in op_names:
+        for name in names:
             registry.setdefault(name, codegen(python=_direct_call))
     except AttributeError as exc:  # a torch whose registry changed: the dispatcher call stays
         log.debug("gradwatch: compiled code calls its ops through the dispatcher (%s)", exc)
-    _registered = True
+    _registered.update(names)
 
 
 def _direct_call(node: Any, writeline: Callable[[str], None]) -> None:

@@ -131,8 +131,9 @@ def _tap_at(flags: "RecordingFlags | None", cells: torch.Tensor) -> "OutputTap |
     """The tap of ``flags`` (an op's monitor, None once collected) whose forward cells or backward row
     ``cells`` is (by address: ``RecordingFlags.taps_at``), or None (none: a copy of the cells, or the
     monitor closed). Compiled code hands the ops tensors, not the tap: a per-layer constant would
-    make each block of a regionally compiled model a graph of its own. The precision a tap chose for the window is host state that
-    changes at flushes, which a graph must not guard on. Unsampled steps never get here.
+    make each block of a regionally compiled model a graph of its own. The precision a tap chose for
+    the window is host state that changes at flushes, which a graph must not guard on. Unsampled
+    steps never get here.
 
     Measured on the compiled MLP 8x512: with float64 reductions on every window, the ops' sampled
     steps copied each 256x512 output and gradient to float64 (~165 and ~80 us a layer), 2.3 ms of

@@ -386,20 +386,7 @@ def test_units_firing_on_few_rows_are_not_called_dead_from_the_sampled_steps():
     # The default records dead-unit evidence on 2 steps of each 25-step window: 64 rows, on which
     # about half of these units never fire. Over every step of a window (800 rows) 10-20% are silent.
     gate, model = _rarely_active_layer()
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the layer stays as it is
-    monitor = GradMonitor(model, flush_every=25, optimizer=opt)
-    silent = []
-    alive = torch.zeros(64, dtype=torch.bool)
-    for step in range(100):
-        x = torch.randn(32, 16)
-        alive |= (gate(x) > 0).any(0)  # the test's own count: a ReLU unit passes gradient where it fires
-        model(x).sum().backward()
-        monitor.step()
-        opt.step()
-        opt.zero_grad()
-        if step % 25 == 24:
-            silent.append(1 - alive.double().mean().item())
-            alive[:] = False
+    monitor, _, silent = _train_gated(model, gate, steps=100)
     monitor.close()
     assert max(silent) < 0.3, silent  # the layer is not dead over any window
     assert [a for a in monitor.alerts if a.kind == "dead_units"] == []
@@ -421,23 +408,12 @@ def test_a_layer_suspected_while_the_model_backs_off_is_not_called_dead_from_its
         def forward(self, x):
             return self.a(x) + self.b(x)
 
+    def sparse_from_step_75(step: int) -> None:
+        model.gate_b.bias.fill_(1.0 if step < 75 else -2.33)
+
     torch.manual_seed(0)
     model = TwoBranches()
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the layers stay as they are
-    monitor = GradMonitor(model, flush_every=25, optimizer=opt)
-    silent, alive = [], torch.zeros(64, dtype=torch.bool)
-    for step in range(200):
-        with torch.no_grad():
-            model.gate_b.bias.fill_(1.0 if step < 75 else -2.33)
-        x = torch.randn(32, 16)
-        alive |= (model.gate_b(x) > 0).any(0)  # the test's own count: a ReLU unit passes gradient where it fires
-        model(x).sum().backward()
-        monitor.step()
-        opt.step()
-        opt.zero_grad()
-        if step % 25 == 24:
-            silent.append(1 - alive.double().mean().item())
-            alive[:] = False
+    monitor, _, silent = _train_gated(model, model.gate_b, steps=200, before_step=sparse_from_step_75)
     rule = monitor._stages.pipeline.checks.dead
     monitor.close()
     assert max(silent) < 0.3, silent  # b is not dead over any window
@@ -450,14 +426,29 @@ def _dead_gate_run(steps: int, batch: int, flush_every: int = 25, dead_from=lamb
     at ``alive_bias`` (1.0: active on most rows); returns (monitor, each flush's sampled slots, the
     test's own dead fraction per window)."""
     gate, model = _rarely_active_layer()
+
+    def set_biases(step: int) -> None:
+        dead = dead_from(step)
+        gate.bias[:dead] = -100.0
+        gate.bias[dead:] = alive_bias
+
+    monitor, sampled, own = _train_gated(model, gate, steps, batch, flush_every, set_biases)
+    monitor.close()
+    return monitor, sampled, own
+
+
+def _train_gated(model: nn.Module, gate: nn.Linear, steps: int, batch: int = 32, flush_every: int = 25,
+                 before_step=lambda step: None):  # fmt: skip
+    """Train ``model`` (learning rate 0: its layers stay as they are) under a monitor for ``steps``
+    steps of random batches, ``before_step(step)`` (under no_grad) first at each; returns (the
+    monitor, still open; each flush's sampled slots; the test's own fraction of ``gate``'s units
+    that fired on no row of each window)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     monitor = GradMonitor(model, flush_every=flush_every, optimizer=opt)
-    sampled, own, alive = [], [], torch.zeros(64, dtype=torch.bool)
+    sampled, silent, alive = [], [], torch.zeros(gate.out_features, dtype=torch.bool)
     for step in range(steps):
         with torch.no_grad():
-            dead = dead_from(step)
-            gate.bias[:dead] = -100.0
-            gate.bias[dead:] = alive_bias
+            before_step(step)
         x = torch.randn(batch, 16)
         alive |= (gate(x) > 0).any(0)  # the test's own count: a ReLU unit passes gradient where it fires
         model(x).sum().backward()
@@ -466,10 +457,9 @@ def _dead_gate_run(steps: int, batch: int, flush_every: int = 25, dead_from=lamb
         opt.zero_grad()
         if step % flush_every == flush_every - 1:
             sampled.append(monitor.last_window.sampled.copy())
-            own.append(1 - alive.double().mean().item())
+            silent.append(1 - alive.double().mean().item())
             alive[:] = False
-    monitor.close()
-    return monitor, sampled, own
+    return monitor, sampled, silent
 
 
 def test_a_layer_dead_on_the_sampled_steps_is_confirmed_on_every_remaining_step_of_the_same_window():
