@@ -196,12 +196,16 @@ class GradMonitor:
         """
         if self._closed:
             raise RuntimeError("this GradMonitor is closed; create a new one to keep monitoring")
-        global_step = check_step_number(global_step)
+        if global_step is not None:  # (None: counted here, nothing to check; a call costs microseconds after backward)
+            global_step = check_step_number(global_step)
         stages = self._stages
         if stages.watch.repeats_last_step():
             return []
-        step = self._next_step if global_step is None else global_step
-        stages.watch.check_step_number(step, self._next_step)
+        if global_step is None:
+            step = self._next_step
+        else:
+            step = global_step
+            stages.watch.check_step_number(step, self._next_step)
         self._next_step = step + 1
         return stages.pipeline.step(step, grads_scaled)
 

@@ -70,9 +70,18 @@ class StepPipeline:
             recorder.hook_failed("step()", exc)
         watch.backward.remember()
         self.window_steps.append(step)
-        new = self.judge.judge(recorder.slot - 1, self.window_steps) if self.per_step else []
+        # the per-step judgement (``detect/per_step.py``): from the recorder's own host check where it
+        # found the gradients calm and no GradScaler is in use
+        if not self.per_step:
+            new = []
+        elif recorder.calm_total is not None and self.scaler is None:
+            new = self.judge.judge_calm(recorder.slot - 1, self.window_steps, recorder.calm_total)
+        else:
+            new = self.judge.judge(recorder.slot - 1, self.window_steps)
         self._alerts_since_flush += new
-        if recorder.slot < self.flush_every:
+        # (nothing to confirm at nearly every step: tested here, where each call costs microseconds)
+        news = self.judge.fell_silent is not None or self.units_probe.has_news(recorder.slot - 1)
+        if news and recorder.slot < self.flush_every:
             self._confirm_dead_units_now()
         if recorder.slot >= self.flush_every:
             try:
@@ -80,7 +89,8 @@ class StepPipeline:
             except GradientHealthError as exc:
                 exc.alerts[:0] = [a for a in new if a.kind in self.config.stop_on]
                 raise
-        self._stop_on(new)
+        if new:
+            self._stop_on(new)
         return new
 
     def flush(self, final: bool, after_step: bool = False) -> list[Alert]:

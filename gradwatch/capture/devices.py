@@ -3,7 +3,7 @@ whose signature depends on the torch release."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -40,8 +40,13 @@ def _foreach_norm_takes_dtype() -> bool:
 FOREACH_NORM_DTYPE = _foreach_norm_takes_dtype()
 
 
-def foreach_norm(tensors: list[torch.Tensor], ord: float, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Per-tensor norms accumulated and returned in ``dtype``, on any torch gradwatch supports."""
-    if FOREACH_NORM_DTYPE:
-        return torch._foreach_norm(tensors, ord, dtype=dtype)  # type: ignore[return-value]
+def _norms_one_by_one(tensors: list[torch.Tensor], ord: float, dtype: torch.dtype) -> list[torch.Tensor]:
     return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]
+
+
+#: ``foreach_norm(tensors, ord, dtype)``: per-tensor norms accumulated and returned in ``dtype``, on
+#: any torch gradwatch supports. Where ``torch._foreach_norm`` takes the dtype (positionally too),
+#: it is that function itself: no Python call of ours around it at every step.
+foreach_norm: Callable[[list[torch.Tensor], float, torch.dtype], Sequence[torch.Tensor]] = (
+    torch._foreach_norm if FOREACH_NORM_DTYPE else _norms_one_by_one  # type: ignore[assignment]
+)

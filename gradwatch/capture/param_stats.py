@@ -96,6 +96,9 @@ class ParamStats:
         self._foreach = ForeachStats(torch.float32 if device.type == "mps" else torch.float64)
         self._blas = CpuBlasStats()
         self._tiny = TinyStats()
+        #: after ``record``: the step's sum of squares over every parameter gradient, where one check on
+        #: the host found them all present, finite and not tiny (the CPU's whole-group path); else None
+        self.checked_total: float | None = None
         # Columns ordered by group (device, dtype, strategy): each group a contiguous slice.
         # reduced one by one: sparse-capable tensors, and gradients kept elsewhere (read through ``_grad``)
         keys = [None if id(p) in c.sparse_capable or id(p) in readers else group_key(p, self.cpu_fast) for p in params]
@@ -131,6 +134,7 @@ class ParamStats:
         """Write this step's per-tensor partials into ``rows``; set ``present`` to 1 where a gradient
         was. Returns whether ``rows.sq`` holds norms rather than sums of squares (only where
         ``rows.norms_allowed``, in the common case: ``ForeachStats.reduce``)."""
+        self.checked_total = None
         grad_mode = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # gradients made with create_graph=True require grad themselves
         try:
@@ -152,8 +156,10 @@ class ParamStats:
         except Exception:
             return None  # the general path reduces each tensor alone and names the one that fails
         present.fill(1)
-        if columns.whole_slots and columns.slots.found_tiny:
-            columns.note_tiers(group.key, 0, self._tiny)
+        if columns.whole_slots:
+            if columns.slots.found_tiny:
+                columns.note_tiers(group.key, 0, self._tiny)
+            self.checked_total = columns.slots.checked_total
         return norms
 
     def _record(self, rows: StepRows, present: np.ndarray) -> bool:

@@ -75,6 +75,7 @@ class Recorder:
         self._hook_failures = HookFailures()
         # Views made once: indexing and slicing are an op each per call.
         self._units_window = buffer[UNIT_ACC]
+        self._present_rows = list(self._host[PARAM_PRESENT])  # numpy views of each step's row, made once
         self._moves = [_CellMoves(cells, self.layout, self.param_stats.cpu_fast, self.per_step_rows)
                        for cells in self.cells.devices]  # fmt: skip
         self._host_moves = HostCellMoves(self.layout, self.cells.host, numpy_rows=self.param_stats.counts_every_step)
@@ -86,6 +87,11 @@ class Recorder:
         self._checks_own = np.ones(len(layers), dtype=bool)
         self._checks_own[aliases.alias] = False
         self._forward_checks = int(self._checks_own.sum())
+        #: after ``record_step`` on an unsampled step: the step's sum of squared gradient norms where
+        #: the host check of the reduction found every gradient present, finite and not tiny and no
+        #: scale was divided out (``ParamStats.checked_total``), for the per-step judgement's calm
+        #: case (``detect.per_step.StepJudge.judge_calm``); None otherwise
+        self.calm_total: float | None = None
 
     @property
     def update_steps(self) -> list[int]:
@@ -126,6 +132,7 @@ class Recorder:
         sampled = flags.sampling
         full = self.layout.is_sampled(slot)
         self._host[STEP_UNSAMPLED][slot] = 0.0 if full else 1.0
+        self.calm_total = None
         try:
             if flags.failed:
                 self._report_tap_failure()
@@ -137,11 +144,17 @@ class Recorder:
             if sampled:
                 self._host_moves.into_row(slot)
             rows = (self._full_rows if full else self._param_rows)[slot]
-            self._record_params(slot, rows)
+            # the parameter-gradient statistics (with per-step rows: norms in the stage, ``per_step_rows.py``)
+            if self.per_step_rows is None:
+                self.param_stats.record(rows, self._present_rows[slot])
+            else:
+                self.per_step_rows.record(self.param_stats, rows, self._present_rows[slot])
             if params_scaled and scale is not None:
                 rows.sq.div_(scale if self.per_step_rows is not None else scale.square())  # norms there
                 if rows.max is not None:
                     rows.max.div_(scale)
+            elif not full:
+                self.calm_total = self.param_stats.checked_total
         except Exception:
             self._host[STEP_FAILED][slot] = 1
             raise
@@ -152,20 +165,14 @@ class Recorder:
             if sampled:
                 for cells in self.cells.devices:
                     cells.reset_step()
-            self.cells.host.clear()
+            host = self.cells.host
+            if host.touched:  # (tested here: each call costs microseconds right after backward)
+                host.clear()
             self.slot = slot + 1
             flags.step += 1
             flags.sampling = self.layout.is_sampled(self.slot)
-            flags.follow_cache_config()
-
-    def _record_params(self, slot: int, rows: StepRows) -> None:
-        """The parameter-gradient statistics into ``rows`` (with per-step rows: norms in the stage,
-        ``per_step_rows.py``)."""
-        present = self._host[PARAM_PRESENT][slot]
-        if self.per_step_rows is None:
-            self.param_stats.record(rows, present)
-        else:
-            self.per_step_rows.record(self.param_stats, rows, present)
+            if flags.cache_configs:
+                flags.follow_cache_config()
 
     def _unwritten(self) -> np.ndarray:
         """[L] the layers whose eager forward check did not write its cell at this step."""

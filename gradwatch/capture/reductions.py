@@ -123,8 +123,7 @@ class ForeachStats:
             norms, _, _ = cpu.head(len(grads))
             # stack into float32 (a float64 out= costs ~6x as much), square into the row
             torch.stack(foreach_norm(grads, 2, torch.float32), out=norms)
-            cpu.square_into(len(grads), rows)
-            cpu.fix(grads, rows)
+            cpu.settle(len(grads), grads, rows, squares=True)
             if rows.max is not None:
                 rows.max.copy_(_cpu_abs_max(grads))
             return False
@@ -164,8 +163,7 @@ class CpuBlasStats:
                 torch.aminmax(flat, out=(lo, hi))
             torch.dot(flat, flat, out=sq)
         sq, lo, hi = cpu.head(len(grads))
-        cpu.copy_into(len(grads), rows)
-        cpu.fix(grads, rows)
+        cpu.settle(len(grads), grads, rows, squares=False)
         if with_max:
             rows.max.copy_(torch.maximum(hi, lo.neg()))
 
@@ -192,6 +190,9 @@ class _CpuSlots:
         self._heads: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         #: positions (in the rows of the latest ``fix``) whose sums were tiny
         self.found_tiny: list[int] = []
+        #: the latest ``fix``'s sum of the row, where every value was finite and not tiny (the
+        #: common case, decided on the host anyway: ``param_stats.ParamStats.checked_total``); else None
+        self.checked_total: float | None = None
 
     def head(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         heads = self._heads.get(k)
@@ -199,33 +200,41 @@ class _CpuSlots:
             heads = self._heads[k] = (self.sq[:k], self.lo[:k], self.hi[:k])
         return heads
 
-    def square_into(self, k: int, rows: StepRows) -> None:
-        """The squares of the first ``k`` slots (norms) into ``rows.sq``; on the host where the row is
-        host memory, in float64 (exact squares of float32 values, and one aten op fewer a step; the
-        time is about the same right after backward, 44 us against 50 in context: benchmarks/RESULTS.md)."""
-        if rows.sq_host is None:
-            torch.square(self.head(k)[0], out=rows.sq)
-        else:
-            np.square(self.sq_host[:k], out=rows.sq_host, dtype=np.float64)
+    def settle(self, k: int, grads: list[torch.Tensor], rows: StepRows, squares: bool) -> None:
+        """The first ``k`` slots into ``rows.sq``, checked: squared first where ``squares`` (the slots
+        hold norms), as sums of squares otherwise. Where a float32 result is not finite or is tiny,
+        :meth:`_repair` makes it exact.
 
-    def copy_into(self, k: int, rows: StepRows) -> None:
-        """The first ``k`` slots (sums of squares) into ``rows.sq`` (on the host where it can)."""
+        Where the row is host memory, in one pass of Python floats: the slots read once
+        (``tolist``), squared in float64 (exact squares of float32 values), written into the row and
+        checked from the same list. Right after backward each numpy or dispatcher call pays tens of
+        microseconds of cold caches: ``np.square`` into the row took 35 us there, a numpy
+        reduction ~50 us more than the check on Python floats (benchmarks/RESULTS.md)."""
         if rows.sq_host is None:
-            rows.sq.copy_(self.head(k)[0])
+            head = self.head(k)[0]
+            if squares:
+                torch.square(head, out=rows.sq)
+            else:
+                rows.sq.copy_(head)
+            listed = rows.sq.numpy().tolist()
         else:
-            np.copyto(rows.sq_host, self.sq_host[:k])
+            listed = self.sq_host[:k].tolist() if k < len(self.sq_host) else self.sq_host.tolist()
+            if squares:
+                listed = [v * v for v in listed]
+            rows.sq_host[:] = listed
+        self.found_tiny = []
+        total = sum(listed)  # (NaN or Inf when any value is)
+        if math.isfinite(total) and min(listed) >= TINY_SQ:
+            self.checked_total = total
+            return
+        self.checked_total = None
+        self._repair(grads, rows)
 
-    def fix(self, grads: list[torch.Tensor], rows: StepRows) -> None:
+    def _repair(self, grads: list[torch.Tensor], rows: StepRows) -> None:
         """Where a float32 result is not finite: count the non-finite elements exactly, and for a
         finite gradient whose squares overflowed float32, write its float64 sum of squares. Where
         it is tiny (squares that underflowed float32): its float64 sum of squares."""
         values = rows.sq_host if rows.sq_host is not None else rows.sq.numpy()
-        # The common case (squares of float32 fit) in Python floats: three C-level calls, ~50 us
-        # less than a numpy reduction right after backward, where its code is out of the caches.
-        listed = values.tolist()
-        self.found_tiny = []
-        if math.isfinite(sum(listed)) and min(listed) >= TINY_SQ:
-            return
         tiny = np.flatnonzero(values < TINY_SQ)
         if len(tiny):
             # One foreach reduction for them all; float64 squares of float32 values never underflow.

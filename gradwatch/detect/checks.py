@@ -120,13 +120,22 @@ class HealthChecks:
             persistent = self.scaler_skips.step(step, skip, s.grad_bad, order, s.count)
             if persistent is not None:
                 findings.append(persistent)
-        if self.model_per_step and s.has_grad:
-            finding, jump = self.exploding.judge_step(step, s.global_norm, len(self.layers), "")
-            self._model_steps[step] = (jump, finding is not None)  # for the layers' judgement at the flush
+        if s.has_grad:
+            finding = self.judge_model_step(step, s.global_norm)
             if finding is not None:
-                self._model_exploded = finding
                 findings.append(finding)
         return findings
+
+    def judge_model_step(self, step: int, global_norm: float) -> Finding | None:
+        """The model-level ``exploding`` of one step with gradients (where judged at every step),
+        from its global gradient norm: the finding, or None."""
+        if not self.model_per_step:
+            return None
+        finding, jump = self.exploding.judge_step(step, global_norm, len(self.layers), "")
+        self._model_steps[step] = (jump, finding is not None)  # for the layers' judgement at the flush
+        if finding is not None:
+            self._model_exploded = finding
+        return finding
 
     def _scaler_skips(self, w: Window, skipped: np.ndarray, result: Assessment) -> None:
         if w.skipped is None:

@@ -6,6 +6,7 @@ device between flushes; at a flush, the last steps of the window are read with t
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import numpy as np
@@ -66,6 +67,24 @@ class StepJudge:
                     continue
                 findings += self._checks.judge_step(steps[values.slot], summary, self._window_order, scaler)
             return self._tracker.raise_onsets(findings) if findings else []
+        except Exception as exc:  # never break a run
+            self._failures.failed("the per-step checks", exc)
+            return []
+
+    def judge_calm(self, slot: int, steps: list[int], total_sq: float) -> list[Alert]:
+        """:meth:`judge` for an unsampled step whose parameter gradients the recorder already found all
+        present, finite and not tiny on the host (``Recorder.calm_total``: their sum of squares,
+        ``total_sq``). Then the step is what ``flush.readback.summarize`` calls calm when its
+        forward sums are finite too (an unsampled step records no output-gradient statistics or
+        non-finite counts): judged from ``total_sq`` and the forward row, without staging the row's
+        values (each call right after backward costs microseconds). Otherwise, the full judgement."""
+        try:
+            forward = self._readback.host_forward
+            if forward is None or not math.isfinite(total_sq + sum(forward[slot].tolist())):
+                return self.judge(slot, steps)
+            self._silent = None  # no gradient was zero: no layer silent at this step
+            finding = self._checks.judge_model_step(steps[slot], math.sqrt(total_sq))
+            return self._tracker.raise_onsets([finding]) if finding is not None else []
         except Exception as exc:  # never break a run
             self._failures.failed("the per-step checks", exc)
             return []

@@ -81,6 +81,9 @@ class StepReadback:
             self._host_rows = [
                 tuple(row.numpy() for row in (*rows, order)) for rows, order in zip(self._rows, self._order_rows)
             ]
+        #: each row's forward sums as a view of the buffer's host memory on that path (an alias's
+        #: column is filled in by :meth:`ready` or the flush), else None
+        self.host_forward = [rows[1] for rows in self._host_rows] if self.host_path else None
         # In flight: (slot, staging index, event or None); the staging ring (pinned on CUDA) is
         # allocated at attach and grows by one slot when a step finds every slot in flight (a
         # device running many steps ahead of the host), up to one per step of a window.

@@ -125,14 +125,17 @@ def test_sudden_loss_spike_is_exploding_and_nothing_before():
 
 # ------------------------------------------------------------------ non-finite
 class Poisonable(nn.Linear):
+    """Its output holds ``value`` (NaN unless set) at one position at its ``poison_at``-th call."""
+
     poison_at: int | None = None
+    value = float("nan")
     calls = 0
 
     def forward(self, x):
         out = super().forward(x)
         if self.calls == self.poison_at:
             out = out.clone()
-            out[0, 0] = float("nan")
+            out[0, 0] = self.value
         self.calls += 1
         return out
 
@@ -457,6 +460,68 @@ def test_the_per_step_shortcut_of_the_exploding_rule_decides_as_the_full_judgeme
         for ring in ("level", "recent", "last_calm", "judged", "exploded_streak", "level_slot", "recent_slot"):
             np.testing.assert_array_equal(getattr(shortcut, ring), getattr(full, ring))
     assert flagged > 10  # the series do explode: both paths were exercised
+
+
+class _Finite(nn.Module):
+    """Zeroes what is not finite (a masked score's -inf): the gradients behind it stay finite."""
+
+    def forward(self, x):
+        return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def _judged_step_by_step(calm_case: bool, steps: int = 70) -> tuple[list[list[tuple]], list[int], dict[int, float]]:
+    """Train a twin of one model through a loss spike (step 23), NaN gradients (step 35), a vanishing
+    stretch (steps 44-47: every gradient below float32's squares) and a forward output of -inf that
+    the model masks (step 67, once the NaN's alert has recovered: its gradients are finite), with or
+    without the per-step judgement's calm case. Each is on a step the default does not sample.
+    Returns each step()'s alerts, the steps judged in the calm case, and the global gradient norm
+    at each step, read from ``p.grad`` in float64."""
+    torch.manual_seed(0)
+    masked = Poisonable(32, 32)
+    masked.poison_at, masked.value = 67, -float("inf")
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), masked, _Finite(), nn.ReLU(), nn.Linear(32, 4))
+    monitor = GradMonitor(model, flush_every=10)
+    judge, calm = monitor._stages.pipeline.judge, []
+    full, judge_calm = judge.judge, judge.judge_calm
+
+    def judged(slot, steps, total):  # the steps offered to the calm case: judged there, or in full
+        if not calm_case:
+            return full(slot, steps)
+        calm.append(steps[slot])
+        return judge_calm(slot, steps, total)
+
+    judge.judge_calm = judged
+    opt, make, returned, norms = torch.optim.SGD(model.parameters(), lr=1e-3), _regression_batch(), [], {}
+    for step in range(steps):
+        x, y = make()
+        loss = nn.functional.mse_loss(model(x), y) * (1e6 if step == 23 else 1e-30 if 44 <= step < 48 else 1.0)
+        (loss * float("nan") if step == 35 else loss).backward()
+        norms[step] = float(sum(p.grad.double().square().sum() for p in model.parameters()) ** 0.5)
+        returned.append([(a.kind, a.layer, a.step, a.value, a.threshold, a.message) for a in monitor.step()])
+        if step not in (23, 35):  # keep the weights finite and near where they were
+            opt.step()
+        opt.zero_grad()
+    monitor.close()
+    return returned, calm, norms
+
+
+def test_the_calm_case_of_the_per_step_judgement_decides_as_the_full_judgement():
+    # On the CPU's own path the recorder checks every gradient on the host anyway; an unsampled step
+    # whose gradients that check found finite and not tiny is judged from its total, without staging
+    # the row's values (StepJudge.judge_calm), unless its forward sums are not finite. Made
+    # pathologies must give the same alerts, returned by the same step() calls, as the full
+    # judgement of every step.
+    with_calm, calm, norms = _judged_step_by_step(calm_case=True)
+    without, none, _ = _judged_step_by_step(calm_case=False)
+    assert none == [] and with_calm == without
+    raised = {(kind, layer, step) for alerts in with_calm for kind, layer, step, *_ in alerts}
+    assert {("exploding", "", 23), ("nonfinite", "5", 35), ("nonfinite", "2", 67)} <= raised, raised
+    spike = next(alert for alert in with_calm[23] if alert[0] == "exploding" and alert[1] == "")
+    assert spike[3] == pytest.approx(norms[23], rel=1e-6)  # the global norm, as p.grad gives it
+    # the spike and the masked -inf entered the calm case (the first is judged there, the second
+    # sent on to the full judgement by its forward sums); the NaN and tiny gradients never did
+    assert {23, 67} <= set(calm) and not {35, 44, 45, 46, 47} & set(calm)
+    assert len(calm) > 40
 
 
 def _windows_row_by_row(rule, table, steps, cols, names, stands=None):
