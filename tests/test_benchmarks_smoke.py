@@ -221,6 +221,22 @@ def test_step_parts_times_each_part_of_an_unsampled_step_inside_it():
     assert us["    parameter gradients"] >= us["      foreach_norm (the floor's read)"]
 
 
+def test_step_ab_imports_another_revision_beside_this_one_and_pairs_their_steps(tmp_path):
+    import gradwatch
+    from benchmarks import step_ab
+
+    old = step_ab.import_revision("HEAD", str(tmp_path))
+    assert old.__name__ == "gradwatch_old" and old.GradMonitor is not gradwatch.GradMonitor
+    figures = step_ab.measure(_TINY, old, steps=12, flush_every=5, warmup=2)
+    for kind in ("unsampled", "sampled or flush"):
+        assert figures[f"{kind}: steps"] > 0
+        for who in ("new", "old", "floor"):
+            assert figures[f"{kind}: {who}"] > 0
+    (tmp_path / "none").mkdir()
+    with pytest.raises(RuntimeError, match="no-such-revision.*pass a revision"):
+        step_ab.import_revision("no-such-revision", str(tmp_path / "none"))
+
+
 def test_flush_cost_times_every_part_of_the_flush_inside_it():
     from benchmarks import flush_cost
 
