@@ -48,7 +48,8 @@ def import_revision(rev: str, into: str) -> object:
         RuntimeError: git cannot archive ``rev`` (not a revision of this repository).
     """
     archive = os.path.join(into, "gradwatch.tar")
-    done = subprocess.run(["git", "-C", ROOT, "archive", "-o", archive, rev, "gradwatch"], capture_output=True, text=True)
+    done = subprocess.run(["git", "-C", ROOT, "archive", "-o", archive, rev, "gradwatch"],
+                          capture_output=True, text=True)  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"git archive {rev!r} failed ({done.stderr.strip()}); pass a revision of this repository")
     with tarfile.open(archive) as tar:

@@ -13,7 +13,7 @@ groups the tensors and picks one of these per group).
   layer): float64 norms straight away, checked on the host like the slots.
 
 CPU results are host memory: on the CPU the first two compute them in float32
-into slots and then ``_CpuSlots.fix`` reads the sums of squares on the host (a
+into slots and then ``_CpuSlots.settle`` reads the sums of squares on the host (a
 plain memory read, no device sync). A sum that is not finite means non-finite
 elements (counted exactly, by a pass that runs only then) or a float32 overflow
 of a finite gradient (|g| >~ 1e19: its sum of squares is recomputed in
@@ -188,9 +188,9 @@ class _CpuSlots:
         self.sq_host = self.sq.numpy()  # shares memory: reading it is a plain memory read
         self.slots = list(zip(self.sq.unbind(), self.lo.unbind(), self.hi.unbind()))
         self._heads: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        #: positions (in the rows of the latest ``fix``) whose sums were tiny
+        #: positions (in the rows of the latest ``settle``) whose sums were tiny
         self.found_tiny: list[int] = []
-        #: the latest ``fix``'s sum of the row, where every value was finite and not tiny (the
+        #: the latest ``settle``'s sum of the row, where every value was finite and not tiny (the
         #: common case, decided on the host anyway: ``param_stats.ParamStats.checked_total``); else None
         self.checked_total: float | None = None
 
@@ -260,7 +260,7 @@ def _write_nonfinite_counts(grads: list[torch.Tensor], rows: StepRows, bad: np.n
 
 class TinyStats:
     """CPU tensors whose float32 squares underflow (a vanishing layer, |g| < ~1e-15): float64 norms
-    straight away, since a float32 pass would only be redone (see ``_CpuSlots.fix``); checked on
+    straight away, since a float32 pass would only be redone (see ``_CpuSlots.settle``); checked on
     the host like the slots. ``grown``: the positions of the latest call that are tiny no more."""
 
     name = "tiny"
