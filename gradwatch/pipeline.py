@@ -79,9 +79,7 @@ class StepPipeline:
         else:
             new = self.judge.judge(recorder.slot - 1, self.window_steps)
         self._alerts_since_flush += new
-        # (nothing to confirm at nearly every step: tested here, where each call costs microseconds)
-        news = self.judge.fell_silent is not None or self.units_probe.has_news(recorder.slot - 1)
-        if news and recorder.slot < self.flush_every:
+        if recorder.slot < self.flush_every:
             self._confirm_dead_units_now()
         if recorder.slot >= self.flush_every:
             try:
@@ -89,8 +87,7 @@ class StepPipeline:
             except GradientHealthError as exc:
                 exc.alerts[:0] = [a for a in new if a.kind in self.config.stop_on]
                 raise
-        if new:
-            self._stop_on(new)
+        self._stop_on(new)
         return new
 
     def flush(self, final: bool, after_step: bool = False) -> list[Alert]:

@@ -59,11 +59,7 @@ class BackwardWitness:
 
     def remember(self) -> None:
         """After a step was recorded: its witnesses' gradients, to compare with at the next ``step()``."""
-        marks = []
-        for param in self._params:
-            grad = param.grad  # read once: a property, at cold-cache prices right after backward
-            marks.append(None if grad is None else (weakref.ref(grad), grad._version))
-        self._marks = marks
+        self._marks = [None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in self._params]
 
     def drop_references(self) -> None:
         """``close()``: forget the model's parameters."""

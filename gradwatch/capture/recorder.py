@@ -165,14 +165,11 @@ class Recorder:
             if sampled:
                 for cells in self.cells.devices:
                     cells.reset_step()
-            host = self.cells.host
-            if host.touched:  # (tested here: each call costs microseconds right after backward)
-                host.clear()
+            self.cells.host.clear()
             self.slot = slot + 1
             flags.step += 1
             flags.sampling = self.layout.is_sampled(self.slot)
-            if flags.cache_configs:
-                flags.follow_cache_config()
+            flags.follow_cache_config()
 
     def _unwritten(self) -> np.ndarray:
         """[L] the layers whose eager forward check did not write its cell at this step."""

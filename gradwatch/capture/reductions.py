@@ -218,7 +218,7 @@ class _CpuSlots:
                 rows.sq.copy_(head)
             listed = rows.sq.numpy().tolist()
         else:
-            listed = self.sq_host[:k].tolist() if k < len(self.sq_host) else self.sq_host.tolist()
+            listed = self.sq_host[:k].tolist()
             if squares:
                 listed = [v * v for v in listed]
             rows.sq_host[:] = listed
