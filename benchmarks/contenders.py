@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from gradwatch import GradMonitor, HealthConfig
-from gradwatch.capture.column_groups import CPU_LARGE
-from gradwatch.capture.reductions import _cpu_abs_max
+from gradwatch.capture.column_groups import CPU_LARGE, DOT_MIN
+from gradwatch.capture.reductions import _cpu_abs_max, square_sum_into
 from gradwatch.registry import outputs
 
 
@@ -306,13 +306,18 @@ class EmptyHooks(Contender):
 class DefaultStepFloor(Contender):
     """What the default reads on a step that is not sampled, with no bookkeeping: one sum of each
     layer's output in a forward hook (the non-finite check; of a tuple, its first tensor) and one
-    ``_foreach_norm`` of the parameter gradients. A lower bound for the default's per-layer cost."""
+    read of each parameter gradient's size, the cheapest known (:class:`GradientRead`: one
+    ``_foreach_norm``, and on the CPU a dot of each large float32 gradient). A lower bound for the
+    default's per-layer cost."""
 
     name = "default's read floor (no bookkeeping)"
 
     def __init__(self, model, workload, device):
         super().__init__(model, workload, device)
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.gradients = GradientRead([p for p in model.parameters() if p.requires_grad],
+                                      torch.device(device).type == "cpu")  # fmt: skip
+        #: the parameters in the read's order (the norm-read ones, then the dot-read ones)
+        self.params = self.gradients.params
         self.results: list[torch.Tensor] = []
         self.handles = [m.register_forward_hook(self._forward_hook) for m in _layers(model)]
 
@@ -328,7 +333,7 @@ class DefaultStepFloor(Contender):
         self.results.append(out.sum())
 
     def after_backward(self):
-        self.results.extend(torch._foreach_norm([p.grad for p in self.params if p.grad is not None], 2))
+        self.results.extend(self.gradients.read())
         self.results.clear()
 
 
@@ -370,6 +375,9 @@ class ContractReadFloor(DefaultStepFloor):
         from gradwatch.sinks.event_writer import summary_writer
         from gradwatch.sinks.tensorboard import TensorBoardSink
 
+        self.cpu_reductions = torch.device(device).type == "cpu" if cpu_reductions is None else cpu_reductions
+        self.gradients = GradientRead([p for p in model.parameters() if p.requires_grad], self.cpu_reductions)
+        self.params = self.gradients.params  # (in the read's order, as the table's columns)
         self.flush_every, self.slot, self.steps = flush_every, 0, 0
         self.sampled = planned_slots(flush_every, DETAILS["standard"])
         # the contract's layers, names and units as gradwatch finds them
@@ -385,10 +393,12 @@ class ContractReadFloor(DefaultStepFloor):
                       if isinstance(m, nn.MultiheadAttention) and id(m.out_proj) in self.index}  # fmt: skip
         self.logdir = tempfile.mkdtemp(prefix="contract-floor-bench-")
         self.sink = TensorBoardSink(summary_writer(self.logdir), owns_writer=True, heatmap=False)
-        #: per step: the parameter gradients' norms (rows as views made once: a slice is an op)
+        #: per step: the parameter gradients' norms, then the sums of squares of those read by a dot
+        #: (:class:`GradientRead`; each row's parts as views made once: a slice is an op)
         self.table = torch.zeros(self.flush_every, len(self.params), device=device)
-        self.rows = list(self.table.unbind(0))
-        self.cpu_reductions = torch.device(device).type == "cpu" if cpu_reductions is None else cpu_reductions
+        normed = self.gradients.normed
+        self.heads = [row[:normed] for row in self.table.unbind(0)]
+        self.cells = [list(row[normed:].unbind(0)) for row in self.table.unbind(0)]
         self._projections: dict[int, torch.Tensor] = {}
         self._window()
 
@@ -463,10 +473,9 @@ class ContractReadFloor(DefaultStepFloor):
         super().step()
 
     def after_backward(self):
-        grads = [p.grad for p in self.params if p.grad is not None]
-        torch.stack(torch._foreach_norm(grads, 2), out=self.rows[self.slot])
+        self.gradients.read_into(self.heads[self.slot], self.cells[self.slot])
         if self.sampled[self.slot]:
-            self.maxima.append(self._max_abs(grads))
+            self.maxima.append(self._max_abs([p.grad for p in self.params]))
         self.results.clear()  # (the forward sums: read by no flush here, as no check reads them)
         self.slot += 1
         if self.slot == self.flush_every:
@@ -477,7 +486,9 @@ class ContractReadFloor(DefaultStepFloor):
 
     def flush(self) -> None:
         """The window's values to the host and its scalars written; then a new window."""
-        sq = self.table[: self.slot].double().square().cpu().numpy()
+        sq = self.table[: self.slot].double()
+        sq[:, : self.gradients.normed].square_()  # (the norms; the rest are sums of squares already)
+        sq = sq.cpu().numpy()
         if len(sq):
             sampled_values = self._sampled_to_host()
             layers = len(self.names)
@@ -544,6 +555,41 @@ def _square_sum(x: torch.Tensor) -> torch.Tensor:
         flat = x.view(-1)
         return torch.dot(flat, flat)
     return torch.linalg.vector_norm(x).square()
+
+
+class GradientRead:
+    """Every parameter gradient's size read once, the cheapest way known (what gradwatch's unsampled
+    step reads on the CPU's own path, ``capture/reductions.py``): on the CPU each float32 gradient of
+    at least ``DOT_MIN`` elements by a BLAS dot of its flat view (its sum of squares) and the rest by
+    one ``_foreach_norm`` (their norms); elsewhere one ``_foreach_norm`` of them all (one kernel).
+
+    Args:
+        params: the parameters, whose gradients are read in this order: the ``normed`` first, then
+            those read by a dot (:attr:`order` maps them back).
+        cpu: take the CPU's reads (False: the device path, on any tensors).
+    """
+
+    def __init__(self, params: list[torch.Tensor], cpu: bool) -> None:
+        dotted = [k for k, p in enumerate(params) if cpu and p.dtype == torch.float32 and p.numel() >= DOT_MIN]
+        #: the parameters' positions in the read's order: the normed ones, then the dotted ones
+        self.order = [k for k in range(len(params)) if k not in set(dotted)] + dotted
+        self.params = [params[k] for k in self.order]
+        self.normed = len(params) - len(dotted)
+
+    def read(self) -> list[torch.Tensor]:
+        """The norms of the first :attr:`normed` gradients, then the others' sums of squares (0-d tensors)."""
+        grads = [p.grad for p in self.params]
+        values = list(torch._foreach_norm(grads[: self.normed], 2)) if self.normed else []
+        return values + [_square_sum(g) for g in grads[self.normed :]]
+
+    def read_into(self, head: torch.Tensor, cells: list[torch.Tensor]) -> None:
+        """:meth:`read` written into a row: the norms stacked into ``head`` (one op), each sum of squares
+        into its 0-d cell (``out=``)."""
+        grads = [p.grad for p in self.params]
+        if self.normed:
+            torch.stack(torch._foreach_norm(grads[: self.normed], 2), out=head)
+        for g, cell in zip(grads[self.normed :], cells):
+            square_sum_into(g, cell)
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:

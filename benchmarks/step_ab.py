@@ -8,7 +8,7 @@ process to the next (their A/A reads up to a point, ~0.3 ms of the MLP's step). 
 of one model train interleaved, in rotating orders: one monitored by the working tree's gradwatch,
 one by revision ``--rev``'s (``git archive`` of its ``gradwatch/`` into a temporary folder, imported
 as ``gradwatch_old``), and one unmonitored that reads every gradient once as the per-step floor does
-(``torch._foreach_norm``, stacked into a row). Right after each backward the copy's ``step()`` (or
+(``contenders.GradientRead``: one ``_foreach_norm``, and a dot of each large float32 gradient). Right after each backward the copy's ``step()`` (or
 the floor's read) is timed; reported are medians over the unsampled, non-flush steps, and the
 median of the paired differences between the two revisions' ``step()`` at the same step, with
 the same for the sampled steps and flushes. Eager only: a second copy of gradwatch in a process
@@ -35,6 +35,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.contenders import GradientRead  # noqa: E402
 from benchmarks import workloads as W  # noqa: E402
 from benchmarks.harness import allocator_option, gradwatch_logger_at, use_allocator  # noqa: E402
 
@@ -74,10 +75,8 @@ def measure(workload, old_package, steps: int, flush_every: int = 50, warmup: in
                 old_package.GradMonitor(models[1], flush_every=flush_every)]  # fmt: skip
     plan = monitors[0]._recorder.flags  # both follow the same plan
     optimizers = [torch.optim.Adam(m.parameters(), lr=1e-4) for m in models]
-    params = list(models[2].parameters())
-    row = torch.zeros(len(params))
-    calls = [monitors[0].step, monitors[1].step,
-             lambda: torch.stack(torch._foreach_norm([p.grad for p in params], 2), out=row)]  # fmt: skip
+    floor = GradientRead(list(models[2].parameters()), cpu=True)
+    calls = [monitors[0].step, monitors[1].step, floor.read]
     times: dict[str, list[list[float]]] = {"unsampled": [[], [], []], "sampled or flush": [[], [], []]}
     orders = [[0, 1, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0], [1, 0, 2], [0, 2, 1]]
     gc.disable()

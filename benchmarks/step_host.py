@@ -8,7 +8,8 @@ width 256; ``workloads.deep_mlp``), interleaved step by step in one process: one
 default (``flush_every=50``), one unmonitored. Right after backward, where ``monitor.step()`` runs
 and the GEMMs have just evicted the caches, the monitored copy times ``monitor.step()`` and the
 unmonitored copy times the floor: the one read of every parameter gradient that the per-step
-grad_norm needs (``torch._foreach_norm``, as ``clip_grad_norm_`` reads them). Only unsampled,
+grad_norm needs, the cheapest known way (``contenders.GradientRead``: one ``_foreach_norm`` as
+``clip_grad_norm_`` reads them, and a dot of each float32 gradient of at least 64K elements). Only unsampled,
 non-flush steps count (the step gradwatch takes ~47 times in 50). Reported per depth: medians in
 microseconds, and gradwatch's host time above the floor per monitored layer; across depths, the
 slope of that difference (what each extra layer costs beyond its read), which the target of #30
@@ -60,6 +61,7 @@ def measure_depth(depth: int, steps: int, batch: int, clock=time.perf_counter, c
     optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in (watched, plain)]
     params = [p for p in plain.parameters() if p.requires_grad]
     floor_sums = C.DefaultStepFloor(plain, workload, torch.device("cpu")) if compiled else None
+    floor_read = C.GradientRead(params, cpu=True)
     runs = [C.compile_alone(m, backend=backend) if compiled else m for m in (watched, plain)]
     times: dict[str, list[float]] = {"step": [], "floor": [], "fwd": [], "floor_fwd": []}
 
@@ -80,7 +82,7 @@ def measure_depth(depth: int, steps: int, batch: int, clock=time.perf_counter, c
             if floor_sums is not None:
                 timed("floor", counted, floor_sums.after_backward)  # the gradient read; the sums let go
             else:
-                timed("floor", counted, lambda: torch._foreach_norm([p.grad for p in params], 2))
+                timed("floor", counted, floor_read.read)
             for opt in optimizers:
                 opt.step()
                 opt.zero_grad(set_to_none=True)

@@ -261,10 +261,11 @@ def _reference(grads):
     )
 
 
-@pytest.mark.parametrize("strategy", ["foreach", "foreach-cpu-slots", "cpu-blas"])
+@pytest.mark.parametrize("strategy", ["foreach", "foreach-cpu-slots", "foreach-cpu-slots-and-dots", "cpu-blas"])
 def test_each_parameter_strategy_fills_every_statistic_of_its_tensors(strategy):
     torch.manual_seed(0)
-    grads = [torch.randn(300, 200), torch.randn(256, 130), torch.randn(40000), torch.randn(180, 190)]
+    # (the last one transposed: not contiguous, as a channels-last or tied-transposed gradient)
+    grads = [torch.randn(300, 200), torch.randn(256, 130), torch.randn(40000), torch.randn(190, 180).t()]
     grads[1][3, 4] = float("nan")
     grads[1][5, 6] = float("inf")
     grads[2].mul_(1e21)  # finite, but its squares overflow float32
@@ -275,6 +276,8 @@ def test_each_parameter_strategy_fills_every_statistic_of_its_tensors(strategy):
         ForeachStats(torch.float64).reduce(grads, rows, None)  # the accelerator path, run on the CPU
     elif strategy == "foreach-cpu-slots":
         ForeachStats(torch.float64).reduce(grads, rows, _CpuSlots(k))
+    elif strategy == "foreach-cpu-slots-and-dots":  # the first by the foreach norm, the rest by dots
+        ForeachStats(torch.float64).reduce(grads, rows, _CpuSlots(k), dots_from=1)
     else:
         CpuBlasStats().reduce(grads, rows, _CpuSlots(k))
     sq, mx, nonfinite = _reference(grads)

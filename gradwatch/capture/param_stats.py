@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .column_groups import TINY, ColumnGroups, Group, group_key
+from .column_groups import TINY, ColumnGroups, Group, group_key, read_by_dot
 from .layers import LayerSpec, rank_gradient
 from .reductions import (  # noqa: F401  (StepRows, nonfinite_counts: their import path before the split)
     CpuBlasStats, ForeachStats, StepRows, TinyStats, complex_stats, nonfinite_counts,
@@ -102,7 +102,8 @@ class ParamStats:
         # Columns ordered by group (device, dtype, strategy): each group a contiguous slice.
         # reduced one by one: sparse-capable tensors, and gradients kept elsewhere (read through ``_grad``)
         keys = [None if id(p) in c.sparse_capable or id(p) in readers else group_key(p, self.cpu_fast) for p in params]
-        order = sorted(range(len(params)), key=lambda j: (keys[j] is None, str(keys[j]), j))
+        # (within a key, the tensors read by a dot last: the tail of a group, ``ColumnGroups``)
+        order = sorted(range(len(params)), key=lambda j: (keys[j] is None, str(keys[j]), read_by_dot(params[j], keys[j]), j))
         self.params = [params[j] for j in order]
         #: "layer.parameter" of each column (log lines only)
         self.param_names = [names[j] for j in order]
@@ -152,7 +153,8 @@ class ParamStats:
         if any(map(_is_none, grads)) or params[0].dtype != group.key[1]:
             return None
         try:
-            norms = self._foreach.reduce(grads, rows, columns.slots if columns.whole_slots else None, keep_norms=True)
+            slots = columns.slots if columns.whole_slots else None
+            norms = self._foreach.reduce(grads, rows, slots, keep_norms=True, dots_from=group.dots_from)
         except Exception:
             return None  # the general path reduces each tensor alone and names the one that fails
         present.fill(1)
@@ -186,7 +188,7 @@ class ParamStats:
                 [self._grad(p) for p in group.params]
             if group.key is not None and not any(map(_is_none, grads)):
                 present[group.cols] = 1
-                for k in self._reduce(group.key, grads, rows.part(group.cols), group.cols.start):
+                for k in self._reduce(group.key, grads, rows.part(group.cols), group.cols.start, group.dots_from):
                     present[group.cols.start + k] = 0
                 continue
             # Some gradients missing, sparse or sharded: reduce those present one by one.
@@ -214,14 +216,15 @@ class ParamStats:
         elsewhere (ZeRO's buffers, FSDP1's flat gradient)."""
         return rank_gradient(p, self._readers.get(id(p)))
 
-    def _reduce(self, key: tuple, grads: list[torch.Tensor], rows: StepRows, first: int | None = None) -> list[int]:
+    def _reduce(self, key: tuple, grads: list[torch.Tensor], rows: StepRows, first: int | None = None,
+                dots_from: int | None = None) -> list[int]:  # fmt: skip
         """One group's reduction; if it raises, each tensor alone, so that a tensor that cannot be
         reduced costs its own statistics only (left out as if it had no gradient, one warning naming
         it), never its group's. Returns the positions of the tensors left out. ``first``: the
         group's first column, to move tensors whose squares underflow (None: tensors reduced one by
-        one, whose tier is not followed)."""
+        one, whose tier is not followed); ``dots_from``: the group's (``Group.dots_from``)."""
         try:
-            self._reduce_group(key, grads, rows)
+            self._reduce_group(key, grads, rows, dots_from)
             if first is not None:
                 self.columns.note_tiers(key, first, self._tiny)
             return []
@@ -245,7 +248,7 @@ class ParamStats:
             log.warning("gradwatch: the statistics of parameter %s failed (%s: %s); it alone is left out, "
                         "training and the other statistics go on", name, type(exc).__name__, exc)  # fmt: skip
 
-    def _reduce_group(self, key: tuple, grads: list[torch.Tensor], rows: StepRows) -> None:
+    def _reduce_group(self, key: tuple, grads: list[torch.Tensor], rows: StepRows, dots_from: int | None = None) -> None:
         device, dtype, large = key
         if large == TINY:
             self._tiny.reduce(grads, rows)
@@ -261,7 +264,7 @@ class ParamStats:
         if large:
             self._blas.reduce(grads, rows, slots)  # type: ignore[arg-type]
         else:
-            self._foreach.reduce(grads, rows, slots)
+            self._foreach.reduce(grads, rows, slots, dots_from=dots_from)
 
     def param_weights(self) -> np.ndarray:
         """Each column's weight in a world-wide sum of its parameter's pieces (``ShardedSums.param_weights``)."""

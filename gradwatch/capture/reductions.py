@@ -113,17 +113,25 @@ class ForeachStats:
         self.acc_dtype = acc_dtype  # float64 where the device has it (not MPS)
 
     def reduce(self, grads: list[torch.Tensor], rows: StepRows, cpu: "_CpuSlots | None", count: bool = False,
-               keep_norms: bool = False) -> bool:  # fmt: skip
+               keep_norms: bool = False, dots_from: int | None = None) -> bool:  # fmt: skip
         """Fill ``rows`` (this group's columns) for ``grads``; ``cpu``: result slots of the CPU path
         (float32 and narrower gradients); ``count``: count non-finite elements even on a step that
         does not (float64 gradients on the CPU path, whose counts are promised at every step);
         ``keep_norms``: leave the norms in ``rows.sq`` where ``rows.norms_allowed`` (the per-step
-        stage's, squared where read: one op less). Returns whether ``rows.sq`` holds norms."""
+        stage's, squared where read: one op less); ``dots_from`` (CPU path): ``grads[dots_from:]``
+        are float32 tensors large enough that a BLAS dot reads them faster than the foreach norm
+        (``column_groups.DOT_MIN``: :func:`square_sum_into`); None: none. Returns whether ``rows.sq`` holds norms."""
         if cpu is not None:  # CPU: float32 norms, squared into the float64 row, checked on the host
-            norms, _, _ = cpu.head(len(grads))
-            # stack into float32 (a float64 out= costs ~6x as much), square into the row
-            torch.stack(foreach_norm(grads, 2, torch.float32), out=norms)
-            cpu.settle(len(grads), grads, rows, squares=True)
+            k = len(grads)
+            normed = k if dots_from is None else dots_from
+            if normed == k:  # stack into float32 (a float64 out= costs ~6x as much), squared into the row
+                torch.stack(foreach_norm(grads, 2, torch.float32), out=cpu.head(k)[0])
+            else:
+                if normed:
+                    torch.stack(foreach_norm(grads[:normed], 2, torch.float32), out=cpu.head(normed)[0])
+                for g, (sq, _, _) in zip(grads[normed:], cpu.slots[normed:k]):
+                    square_sum_into(g, sq)
+            cpu.settle(k, grads, rows, norms=normed)
             if rows.max is not None:
                 rows.max.copy_(_cpu_abs_max(grads))
             return False
@@ -136,6 +144,18 @@ class ForeachStats:
         if rows.max is not None:
             torch.stack(foreach_norm(grads, _INF, self.acc_dtype), out=rows.max)
         return norms
+
+
+def square_sum_into(g: torch.Tensor, out: torch.Tensor) -> None:
+    """A CPU float32 tensor's sum of squares in float32 into the 0-d ``out``: one BLAS dot of its
+    flat view (faster than a norm, and more accurate: ``column_groups.DOT_MIN``); a tensor that is
+    not contiguous (channels-last, transposed) by its norm, squared (a flat copy would cost more)."""
+    if g.is_contiguous():
+        flat = g.view(-1)
+        torch.dot(flat, flat, out=out)
+    else:
+        torch.linalg.vector_norm(g, out=out)
+        out.square_()
 
 
 def _cpu_abs_max(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -163,7 +183,7 @@ class CpuBlasStats:
                 torch.aminmax(flat, out=(lo, hi))
             torch.dot(flat, flat, out=sq)
         sq, lo, hi = cpu.head(len(grads))
-        cpu.settle(len(grads), grads, rows, squares=False)
+        cpu.settle(len(grads), grads, rows, norms=0)
         if with_max:
             rows.max.copy_(torch.maximum(hi, lo.neg()))
 
@@ -200,9 +220,9 @@ class _CpuSlots:
             heads = self._heads[k] = (self.sq[:k], self.lo[:k], self.hi[:k])
         return heads
 
-    def settle(self, k: int, grads: list[torch.Tensor], rows: StepRows, squares: bool) -> None:
-        """The first ``k`` slots into ``rows.sq``, checked: squared first where ``squares`` (the slots
-        hold norms), as sums of squares otherwise. Where a float32 result is not finite or is tiny,
+    def settle(self, k: int, grads: list[torch.Tensor], rows: StepRows, norms: int) -> None:
+        """The first ``k`` slots into ``rows.sq``, checked: the first ``norms`` of them hold norms and
+        are squared, the rest hold sums of squares. Where a float32 result is not finite or is tiny,
         :meth:`_repair` makes it exact.
 
         Where the row is host memory, in one pass of Python floats: the slots read once
@@ -212,15 +232,19 @@ class _CpuSlots:
         reduction ~50 us more than the check on Python floats (benchmarks/RESULTS.md)."""
         if rows.sq_host is None:
             head = self.head(k)[0]
-            if squares:
+            if norms == k:
                 torch.square(head, out=rows.sq)
             else:
                 rows.sq.copy_(head)
+                if norms:
+                    rows.sq[:norms].square_()
             listed = rows.sq.numpy().tolist()
         else:
             listed = self.sq_host[:k].tolist()
-            if squares:
+            if norms == k:
                 listed = [v * v for v in listed]
+            elif norms:
+                listed[:norms] = [v * v for v in listed[:norms]]
             rows.sq_host[:] = listed
         self.found_tiny = []
         total = sum(listed)  # (NaN or Inf when any value is)
