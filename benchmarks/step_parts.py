@@ -8,8 +8,9 @@ tens of microseconds the first time (a numpy ufunc ~50 us, against ~2 us for the
 again; benchmarks/RESULTS.md, thirty-first session), so ``step()``'s cost is mostly how many
 distinct calls it makes, not the work they do. Each part is timed by wrapping the object that owns
 it (``harness.time_calls``, as ``flush_cost.py`` does), on the steps of each window that are neither sampled nor the flush,
-after the first window. ``foreach_norm`` is the read of every gradient that the read floor pays too;
-the rest is gradwatch's bookkeeping. Medians in microseconds; nested parts are indented.
+after the first window. "read and settled" is the read of every gradient, which the read floor pays
+too (one ``foreach_norm`` of the small tensors and a dot of each large float32 one:
+``contenders.GradientRead``), with the squares' check; the rest is gradwatch's bookkeeping. Medians in microseconds; nested parts are indented.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ def measure(workload, steps: int, flush_every: int = 50) -> dict[str, float]:
         for owner, attr, label in (
             (pipeline, "step", "pipeline.step"), (pipeline.watch, "repeats_last_step", "  backward witnesses: read"),
             (recorder, "record_step", "  record_step"), (recorder.param_stats, "record", "    parameter gradients"),
-            (reductions, "foreach_norm", "      foreach_norm (the floor's read)"),
-            (reductions._CpuSlots, "settle", "      squares into the row, checked"),
+            (recorder.param_stats._foreach, "reduce", "      read and settled"),
+            (reductions, "foreach_norm", "        foreach_norm (small tensors)"),
+            (reductions._CpuSlots, "settle", "        squares into the row, checked"),
             (pipeline.judge, "judge", "  per-step judgement (full)"),
             (pipeline.judge, "judge_calm", "  per-step judgement (calm case: from the host check)"),
             (pipeline.watch.backward, "remember", "  backward witnesses: remember"),
@@ -93,7 +95,7 @@ def main() -> None:
     with gradwatch_logger_at(logging.ERROR):
         result = measure(WORKLOADS[args.workload](), args.steps)
     order = ["pipeline.step", "  backward witnesses: read", "  record_step", "    parameter gradients",
-             "      foreach_norm (the floor's read)", "      squares into the row, checked",
+             "      read and settled", "        foreach_norm (small tensors)", "        squares into the row, checked",
              "  per-step judgement (full)", "  per-step judgement (calm case: from the host check)",
              "  backward witnesses: remember"]  # fmt: skip
     for label in order:

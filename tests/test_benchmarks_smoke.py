@@ -214,11 +214,11 @@ def test_step_parts_times_each_part_of_an_unsampled_step_inside_it():
     us = step_parts.measure(_TINY, steps=40, flush_every=10)
     assert (reductions.foreach_norm, reductions._CpuSlots.__dict__["settle"]) == before  # put back
     assert {"pipeline.step", "  record_step", "  per-step judgement (calm case: from the host check)",
-            "      foreach_norm (the floor's read)"} <= set(us)
+            "      read and settled", "        foreach_norm (small tensors)"} <= set(us)
     assert all(value > 0 for value in us.values())
     # nested parts are inside their owner's time
-    assert us["pipeline.step"] >= us["  record_step"] >= us["    parameter gradients"]
-    assert us["    parameter gradients"] >= us["      foreach_norm (the floor's read)"]
+    assert us["pipeline.step"] >= us["  record_step"] >= us["    parameter gradients"] >= us["      read and settled"]
+    assert us["      read and settled"] >= us["        foreach_norm (small tensors)"]
 
 
 def test_step_ab_imports_another_revision_beside_this_one_and_pairs_their_steps(tmp_path):
