@@ -62,7 +62,7 @@ class Group:
     params: list[torch.nn.Parameter]
     #: the first of the trailing tensors read by a dot where sums of squares are all a step needs
     #: (:func:`dots_from`); ``len(params)``: none
-    dots_from: int = 0
+    dots_from: int
 
 
 class ColumnGroups:
@@ -200,7 +200,7 @@ def dots_from(params: list[torch.Tensor]) -> int:
 def read_by_dot(p: torch.Tensor, key: tuple | None) -> bool:
     """Whether a column of ``key`` is read by a dot on the steps that need sums of squares only
     (CPU float32 tensors of at least :data:`DOT_MIN` elements on the CPU's own path)."""
-    return key is not None and bool(key[2] is True) and p.numel() >= DOT_MIN
+    return key is not None and key[2] is True and p.numel() >= DOT_MIN
 
 
 def slot_checked(key: tuple | None, cpu_fast: bool) -> bool:

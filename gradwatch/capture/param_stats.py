@@ -103,7 +103,8 @@ class ParamStats:
         # reduced one by one: sparse-capable tensors, and gradients kept elsewhere (read through ``_grad``)
         keys = [None if id(p) in c.sparse_capable or id(p) in readers else group_key(p, self.cpu_fast) for p in params]
         # (within a key, the tensors read by a dot last: the tail of a group, ``ColumnGroups``)
-        order = sorted(range(len(params)), key=lambda j: (keys[j] is None, str(keys[j]), read_by_dot(params[j], keys[j]), j))
+        order = sorted(range(len(params)),
+                       key=lambda j: (keys[j] is None, str(keys[j]), read_by_dot(params[j], keys[j]), j))  # fmt: skip
         self.params = [params[j] for j in order]
         #: "layer.parameter" of each column (log lines only)
         self.param_names = [names[j] for j in order]
@@ -248,7 +249,8 @@ class ParamStats:
             log.warning("gradwatch: the statistics of parameter %s failed (%s: %s); it alone is left out, "
                         "training and the other statistics go on", name, type(exc).__name__, exc)  # fmt: skip
 
-    def _reduce_group(self, key: tuple, grads: list[torch.Tensor], rows: StepRows, dots_from: int | None = None) -> None:
+    def _reduce_group(self, key: tuple, grads: list[torch.Tensor], rows: StepRows,
+                      dots_from: int | None = None) -> None:  # fmt: skip
         device, dtype, large = key
         if large == TINY:
             self._tiny.reduce(grads, rows)

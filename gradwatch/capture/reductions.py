@@ -120,7 +120,8 @@ class ForeachStats:
         ``keep_norms``: leave the norms in ``rows.sq`` where ``rows.norms_allowed`` (the per-step
         stage's, squared where read: one op less); ``dots_from`` (CPU path): ``grads[dots_from:]``
         are float32 tensors large enough that a BLAS dot reads them faster than the foreach norm
-        (``column_groups.DOT_MIN``: :func:`square_sum_into`); None: none. Returns whether ``rows.sq`` holds norms."""
+        (``column_groups.DOT_MIN``: :func:`square_sum_into`); None: none.
+        Returns whether ``rows.sq`` holds norms."""
         if cpu is not None:  # CPU: float32 norms, squared into the float64 row, checked on the host
             k = len(grads)
             normed = k if dots_from is None else dots_from
