@@ -577,10 +577,12 @@ class GradientRead:
         self.normed = len(params) - len(dotted)
 
     def read(self) -> list[torch.Tensor]:
-        """The norms of the first :attr:`normed` gradients, then the others' sums of squares (0-d tensors)."""
+        """The norms of the first :attr:`normed` gradients, then the others' sums of squares (0-d
+        tensors; a parameter without a gradient is skipped)."""
         grads = [p.grad for p in self.params]
-        values = list(torch._foreach_norm(grads[: self.normed], 2)) if self.normed else []
-        return values + [_square_sum(g) for g in grads[self.normed :]]
+        normed = [g for g in grads[: self.normed] if g is not None]
+        values = list(torch._foreach_norm(normed, 2)) if normed else []
+        return values + [_square_sum(g) for g in grads[self.normed :] if g is not None]
 
     def read_into(self, head: torch.Tensor, cells: list[torch.Tensor]) -> None:
         """:meth:`read` written into a row: the norms stacked into ``head`` (one op), each sum of squares
