@@ -564,17 +564,16 @@ class GradientRead:
     one ``_foreach_norm`` (their norms); elsewhere one ``_foreach_norm`` of them all (one kernel).
 
     Args:
-        params: the parameters, whose gradients are read in this order: the ``normed`` first, then
-            those read by a dot (:attr:`order` maps them back).
+        params: the parameters, whose gradients are read (:attr:`params`: in the read's order, the
+            first :attr:`normed` by the foreach norm, then those read by a dot).
         cpu: take the CPU's reads (False: the device path, on any tensors).
     """
 
     def __init__(self, params: list[torch.Tensor], cpu: bool) -> None:
-        dotted = [k for k, p in enumerate(params) if cpu and p.dtype == torch.float32 and p.numel() >= DOT_MIN]
-        #: the parameters' positions in the read's order: the normed ones, then the dotted ones
-        self.order = [k for k in range(len(params)) if k not in set(dotted)] + dotted
-        self.params = [params[k] for k in self.order]
-        self.normed = len(params) - len(dotted)
+        dotted = [cpu and p.dtype == torch.float32 and p.numel() >= DOT_MIN for p in params]
+        normed = [p for p, dot in zip(params, dotted) if not dot]
+        self.params = normed + [p for p, dot in zip(params, dotted) if dot]
+        self.normed = len(normed)
 
     def read(self) -> list[torch.Tensor]:
         """The norms of the first :attr:`normed` gradients, then the others' sums of squares (0-d

@@ -167,7 +167,8 @@ def _cpu_abs_max(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 class CpuBlasStats:
-    """CPU float32 tensors of at least ``column_groups.CPU_LARGE`` elements: one BLAS dot and one aminmax each.
+    """CPU float32 tensors of at least ``column_groups.CPU_LARGE`` elements: one BLAS dot
+    (:func:`square_sum_into`) and one aminmax each.
 
     ``aminmax`` goes first: it splits the tensor across the intra-op threads and
     leaves it in cache for the dot.
@@ -179,11 +180,10 @@ class CpuBlasStats:
         """Fill ``rows`` (this group's columns) for ``grads``."""
         with_max = rows.max is not None
         for (sq, lo, hi), g in zip(cpu.slots, grads):
-            flat = g.reshape(-1)
             if with_max:
-                torch.aminmax(flat, out=(lo, hi))
-            torch.dot(flat, flat, out=sq)
-        sq, lo, hi = cpu.head(len(grads))
+                torch.aminmax(g, out=(lo, hi))
+            square_sum_into(g, sq)
+        _, lo, hi = cpu.head(len(grads))
         cpu.settle(len(grads), grads, rows, norms=0)
         if with_max:
             rows.max.copy_(torch.maximum(hi, lo.neg()))
