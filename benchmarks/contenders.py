@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import math
 import shutil
 import tempfile
 import time
@@ -546,6 +548,47 @@ class ContractReadFloor(DefaultStepFloor):
         super().close()
         self.sink.close()
         shutil.rmtree(self.logdir, ignore_errors=True)
+
+
+class JudgedReadFloor(ContractReadFloor):
+    """:class:`ContractReadFloor` with the least per-step judgement the default must make (#30: nonfinite
+    and model-level exploding judged at every step), on the CPU, where the step's values are host
+    memory: the step's sum of squares from its row of the table and its forward sums, non-finite
+    or above ``HealthConfig().exploding_factor`` times the largest of the last ``RECENT`` calm
+    steps' norms is an alarm (counted), else it joins them. In Python floats, as few distinct calls
+    as it can (right after backward each costs microseconds the first time: ``breakdown.cold_call_costs``). Not
+    included: the origin of a NaN, the per-layer columns, a warm-up, anything a flush reads.
+
+    Raises:
+        ValueError: ``device`` is not the CPU (elsewhere the values need a lagged read-back).
+    """
+
+    name = "contract's read floor, judged every step"
+    #: how many calm steps the exploding judgement compares with
+    RECENT = 8
+
+    def __init__(self, model, workload, device, flush_every: int = 50):
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"JudgedReadFloor judges host memory: run it on the CPU, not {device} (ContractReadFloor "
+                             "runs anywhere)")  # fmt: skip
+        super().__init__(model, workload, device, flush_every)
+        self.rows = self.table.numpy()  # shares memory with the table
+        self.factor_sq = HealthConfig().exploding_factor ** 2
+        self.recent: collections.deque[float] = collections.deque(maxlen=self.RECENT)
+        self.alarms = 0
+
+    def after_backward(self):
+        forward, slot = self.results[:], self.slot  # (the step's forward sums; the row about to be written)
+        super().after_backward()
+        values = self.rows[slot].tolist()
+        normed = self.gradients.normed
+        total = sum([v * v for v in values[:normed]]) + sum(values[normed:])
+        if not math.isfinite(total + sum([f.item() for f in forward])):
+            self.alarms += 1
+        elif self.recent and total > self.factor_sq * max(self.recent):
+            self.alarms += 1
+        else:
+            self.recent.append(total)
 
 
 def _square_sum(x: torch.Tensor) -> torch.Tensor:

@@ -94,10 +94,10 @@ def compiled_section(rounds: int, warmup: int, device: torch.device, sync=None) 
 
 
 #: The contenders of the steady-state section: gradwatch's default against its read floors (the
-#: per-step reads; the contract's reads and writes over whole windows), the usual alternative, and
-#: the noise floor.
+#: per-step reads; the contract's reads and writes over whole windows; those with the least per-step
+#: judgement, which the contract's floor leaves out), the usual alternative, and the noise floor.
 STEADY_CONTENDERS = [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(50), C.DefaultStepFloor,
-                     C.ContractReadFloor, C.LightningGradNorm,
+                     C.ContractReadFloor, C.JudgedReadFloor, C.LightningGradNorm,
                      C.gradwatch_contender(50, heatmap_budget=0.01)]  # fmt: skip
 
 
@@ -142,12 +142,15 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50,
         of_kind = list(zip(contenders, results))
         gradwatch = next(r for r in results if r.name.startswith("gradwatch"))
         control = next(r for k, r in of_kind if issubclass(k, C.UnmonitoredControl))
-        floor = next(r for k, r in of_kind if issubclass(k, C.ContractReadFloor))
+        floor = next(r for k, r in of_kind if issubclass(k, C.ContractReadFloor) and not issubclass(k, C.JudgedReadFloor))
+        judged = [r for k, r in of_kind if issubclass(k, C.JudgedReadFloor)]  # (the CPU's runs)
         step_floor = next(r for k, r in of_kind
                           if issubclass(k, C.DefaultStepFloor) and not issubclass(k, (C.ContractReadFloor, C.OutputReadFloor)))
-        for label, upper, lower in (("gradwatch above the contract's floor", gradwatch, floor),
-                                    ("gradwatch above the per-step floor", gradwatch, step_floor),
-                                    ("A/A: the control above the unmonitored run", control, base)):  # fmt: skip
+        gaps = [("gradwatch above the contract's floor", gradwatch, floor),
+                *(("gradwatch above the contract's floor judged every step", gradwatch, r) for r in judged),
+                ("gradwatch above the per-step floor", gradwatch, step_floor),
+                ("A/A: the control above the unmonitored run", control, base)]  # fmt: skip
+        for label, upper, lower in gaps:
             gap = window_gap(base, upper, lower, flush_every)
             figures[workload.name][label] = gap
             print(f"  {label}: {gap[0]:+.2f} points [{gap[1]:+.2f}, {gap[2]:+.2f}] over {gap[3]} windows", flush=True)
