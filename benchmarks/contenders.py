@@ -555,9 +555,10 @@ class JudgedReadFloor(ContractReadFloor):
     and model-level exploding judged at every step), on the CPU, where the step's values are host
     memory: the step's sum of squares from its row of the table and its forward sums, non-finite
     or above ``HealthConfig().exploding_factor`` times the largest of the last ``RECENT`` calm
-    steps' norms is an alarm (counted), else it joins them. In Python floats, as few distinct calls
-    as it can (right after backward each costs microseconds the first time: ``breakdown.cold_call_costs``). Not
-    included: the origin of a NaN, the per-layer columns, a warm-up, anything a flush reads.
+    steps' norms is an alarm (counted), else it joins them. In Python floats, with as few distinct
+    calls as it can (right after backward each costs 10-60 us the first time: benchmarks/RESULTS.md,
+    thirty-eighth session). Not included: the origin of a NaN, the per-layer columns, a warm-up,
+    the backward witnesses, anything a flush reads.
 
     Raises:
         ValueError: ``device`` is not the CPU (elsewhere the values need a lagged read-back).

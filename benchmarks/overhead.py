@@ -142,7 +142,8 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50,
         of_kind = list(zip(contenders, results))
         gradwatch = next(r for r in results if r.name.startswith("gradwatch"))
         control = next(r for k, r in of_kind if issubclass(k, C.UnmonitoredControl))
-        floor = next(r for k, r in of_kind if issubclass(k, C.ContractReadFloor) and not issubclass(k, C.JudgedReadFloor))
+        floor = next(r for k, r in of_kind
+                     if issubclass(k, C.ContractReadFloor) and not issubclass(k, C.JudgedReadFloor))
         judged = [r for k, r in of_kind if issubclass(k, C.JudgedReadFloor)]  # (the CPU's runs)
         step_floor = next(r for k, r in of_kind
                           if issubclass(k, C.DefaultStepFloor) and not issubclass(k, (C.ContractReadFloor, C.OutputReadFloor)))
