@@ -314,10 +314,12 @@ class DefaultStepFloor(Contender):
 
     name = "default's read floor (no bookkeeping)"
 
-    def __init__(self, model, workload, device):
+    def __init__(self, model, workload, device, cpu_reductions: bool | None = None):
+        """``cpu_reductions``: read the gradients the CPU's way (None: where the device is the CPU;
+        False on the CPU runs the device path on CPU tensors)."""
         super().__init__(model, workload, device)
-        self.gradients = GradientRead([p for p in model.parameters() if p.requires_grad],
-                                      torch.device(device).type == "cpu")  # fmt: skip
+        self.cpu_reductions = torch.device(device).type == "cpu" if cpu_reductions is None else cpu_reductions
+        self.gradients = GradientRead([p for p in model.parameters() if p.requires_grad], self.cpu_reductions)
         #: the parameters in the read's order (the norm-read ones, then the dot-read ones)
         self.params = self.gradients.params
         self.results: list[torch.Tensor] = []
@@ -368,18 +370,15 @@ class ContractReadFloor(DefaultStepFloor):
     name = "contract's read floor (no bookkeeping)"
 
     def __init__(self, model, workload, device, flush_every: int = 50, cpu_reductions: bool | None = None):
-        """``cpu_reductions``: take max |g| the CPU's way (None: where the device is the CPU; False on
-        the CPU runs the device path on CPU tensors, as the smoke test does)."""
-        super().__init__(model, workload, device)
+        """``cpu_reductions``: read the gradients and take max |g| the CPU's way (None: where the device
+        is the CPU; False on the CPU runs the device path on CPU tensors, as the smoke test does)."""
+        super().__init__(model, workload, device, cpu_reductions)
         from gradwatch.capture.layers import discover_layers
         from gradwatch.capture.layout import planned_slots
         from gradwatch.settings import DETAILS
         from gradwatch.sinks.event_writer import summary_writer
         from gradwatch.sinks.tensorboard import TensorBoardSink
 
-        self.cpu_reductions = torch.device(device).type == "cpu" if cpu_reductions is None else cpu_reductions
-        self.gradients = GradientRead([p for p in model.parameters() if p.requires_grad], self.cpu_reductions)
-        self.params = self.gradients.params  # (in the read's order, as the table's columns)
         self.flush_every, self.slot, self.steps = flush_every, 0, 0
         self.sampled = planned_slots(flush_every, DETAILS["standard"])
         # the contract's layers, names and units as gradwatch finds them

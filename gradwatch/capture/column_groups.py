@@ -171,8 +171,8 @@ class ColumnGroups:
         groups = []
         for key, cols in _contiguous_groups(keys):
             params = self.params[cols]
-            read_by_dot = key is not None and slot_checked(key, self.cpu_fast) and key[1] == torch.float32
-            groups.append(Group(key, cols, params, dots_from(params) if read_by_dot else len(params)))
+            dotted = slot_checked(key, self.cpu_fast) and key[1] == torch.float32
+            groups.append(Group(key, cols, params, dots_from(params) if dotted else len(params)))
         return groups
 
 

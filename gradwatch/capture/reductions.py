@@ -125,11 +125,10 @@ class ForeachStats:
         if cpu is not None:  # CPU: float32 norms, squared into the float64 row, checked on the host
             k = len(grads)
             normed = k if dots_from is None else dots_from
-            if normed == k:  # stack into float32 (a float64 out= costs ~6x as much), squared into the row
-                torch.stack(foreach_norm(grads, 2, torch.float32), out=cpu.head(k)[0])
-            else:
-                if normed:
-                    torch.stack(foreach_norm(grads[:normed], 2, torch.float32), out=cpu.head(normed)[0])
+            if normed:  # stack into float32 (a float64 out= costs ~6x as much), squared into the row
+                torch.stack(foreach_norm(grads if normed == k else grads[:normed], 2, torch.float32),
+                            out=cpu.head(normed)[0])  # fmt: skip
+            if normed < k:  # (no loop over nothing: the common case without dot-read tensors)
                 for g, (sq, _, _) in zip(grads[normed:], cpu.slots[normed:k]):
                     square_sum_into(g, sq)
             cpu.settle(k, grads, rows, norms=normed)
