@@ -106,7 +106,8 @@ class GradStatistics:
         float32 cannot hold: :meth:`_channel_rows`), then their squares summed; the rows are also
         what the dead-unit evidence is made of. ``fast`` (run eagerly only, where
         :meth:`float32_rows` says so): the rows normed in float32 and combined in float64, as
-        :meth:`record` takes them."""
+        :meth:`record` takes them (a gradient of at most ``cpu_rows.DOT_MAX`` elements: one float32
+        dot)."""
         ndim = g.ndim
         judged = self.judged(g)
         if ndim >= 3 and self.unit_dim(ndim) == 1:
@@ -118,11 +119,14 @@ class GradStatistics:
             # N x positions: neighbouring positions of one image are not independent evidence.
             return rows.square().sum(), torch.linalg.vector_norm(rows, 2, dim=0), float(g.shape[0])
         rows = _as_rows(g)
-        if fast:
-            row_norms = self._row_norms(rows, 1, True)
-        else:  # (traced code: no method call, one guard less)
-            row_norms = torch.linalg.vector_norm(rows, 2, dim=1, dtype=self.dtype)
-        sq = torch.dot(row_norms, row_norms)
+        if fast and cpu_rows.dot_applies(g):  # (eager only, as :meth:`record`)
+            sq = cpu_rows.dot_square_sum(g)
+        else:
+            if fast:
+                row_norms = self._row_norms(rows, 1, True)
+            else:  # (traced code: no method call, one guard less)
+                row_norms = torch.linalg.vector_norm(rows, 2, dim=1, dtype=self.dtype)
+            sq = torch.dot(row_norms, row_norms)
         if not judged:
             return sq, None, 0.0  # units unknown, or an output without the declared units
         if rows.dtype not in (torch.float32, torch.float64):
@@ -174,8 +178,15 @@ class GradStatistics:
             units.addcmul_(evidence, evidence)
             return float(g.shape[0])
         rows = _as_rows(g)
-        row_norms = self._row_norms(rows, 1, fast)
-        _write(torch.dot, (row_norms, row_norms), sq, first)
+        if fast and cpu_rows.dot_applies(g):  # one float32 dot (cpu_rows.DOT_MAX), into the float64 cell
+            square_sum = cpu_rows.dot_square_sum(g)
+            if first:
+                sq.copy_(square_sum)
+            else:
+                sq.add_(square_sum)
+        else:
+            row_norms = self._row_norms(rows, 1, fast)
+            _write(torch.dot, (row_norms, row_norms), sq, first)
         if not self.judged(g):
             return 0.0
         if rows.dtype not in (torch.float32, torch.float64):
@@ -196,8 +207,10 @@ class GradStatistics:
         cast is not vectorised: 0.2-0.6 ms per convolution output of the standard CNN, 16 ms for a
         (64, 64, 32, 32) one, against 0.05-0.15 ms). In a window where the layer's norms allow it
         (:attr:`float32`), each row (a sample's channel, a token) is normed in float32 (relative
-        error ~4e-8: few elements each): a row's squares below ~1e-38 are lost to underflow,
-        nothing next to a total of at least 1e-22 (:data:`FLOAT32_SAFE_NORM`). Not with per-unit
+        error ~4e-8: few elements each), or a (*, U) gradient of at most ``cpu_rows.DOT_MAX``
+        elements is summed by one float32 dot (within ~5e-7, at about half the rows' time): squares
+        below ~1e-38 are lost to underflow, nothing next to a total of at least 1e-22
+        (:data:`FLOAT32_SAFE_NORM`). Not with per-unit
         sums (``dead_eps > 0``), nor for a channels-last gradient (:meth:`_channel_projection`
         would copy it)."""
         return (self.float32 and outputs.CPU_ROWS and g.dtype == torch.float32 and not self.unit_sums

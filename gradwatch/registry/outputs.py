@@ -84,8 +84,12 @@ def _sum_of_squares(out: torch.Tensor, dtype: torch.dtype, exact: bool) -> list[
         # exact at any magnitude, at float32's speed: float32 rows, those it could not hold redone
         # (outside compiled code: which rows is a selection on the values)
         return [cpu_rows.square_sum(out, dtype)]
-    float32_window = not exact and out.dtype == torch.float32
-    rows = cpu_rows.memory_rows(out) if float32_window and CPU_ROWS and out.device.type == "cpu" else None
+    cpu_window = not exact and out.dtype == torch.float32 and CPU_ROWS and out.device.type == "cpu"
+    if cpu_window and cpu_rows.dot_applies(out):
+        # one BLAS dot, in float32 (within ~5e-7: cpu_rows.DOT_MAX; the stack of the step's
+        # accumulators is then float32, exact for the counts of such an output)
+        return [cpu_rows.dot_square_sum(out)]
+    rows = cpu_rows.memory_rows(out) if cpu_window else None
     if rows is not None:
         # The CPU accumulates a float32 reduction sequentially per vector lane: one norm of a
         # million-element output is off by ~1e-5 relative (1.6e-4 at 8M). Norms of 1024-element
