@@ -12,8 +12,9 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -101,12 +102,23 @@ def use_allocator(choice: str) -> str:
 
 
 def measure(workload, contender_types, rounds: int, warmup: int, device: torch.device,
-            sync: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter) -> list[Result]:  # fmt: skip
+            sync: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter,
+            creation_order: list[int] | None = None) -> list[Result]:  # fmt: skip
     """Time ``rounds`` steps of each contender, interleaved in :func:`balanced_orders` taken in turn, on
-    identical model copies (``clock``: the timer, replaceable by a test)."""
+    identical model copies (``clock``: the timer, replaceable by a test). ``creation_order``: the
+    contenders' indices in the order their copies are made (default: as listed). Which copy is
+    made when decides where its memory lies, and two copies doing the same work can differ by up
+    to a point in one process (benchmarks/RESULTS.md, thirty-ninth session): balanced orders do not
+    cancel that, a different creation order in each process does (:func:`creation_order_for`)."""
     torch.manual_seed(0)
     base = workload.make_model().to(device)
-    contenders = [cls(copy.deepcopy(base), workload, device) for cls in contender_types]
+    made: dict[int, Any] = {}
+    for i in creation_order if creation_order is not None else range(len(contender_types)):
+        made[i] = contender_types[i](copy.deepcopy(base), workload, device)
+    if sorted(made) != list(range(len(contender_types))):
+        raise ValueError(f"creation_order {creation_order} must name each of the {len(contender_types)} "
+                         "contenders' indices once")  # fmt: skip
+    contenders = [made[i] for i in range(len(contender_types))]
     results = {c.name: Result(c.name) for c in contenders}
     orders = balanced_orders(len(contenders))
     for r in range(warmup):  # interleaved, as the timed rounds
@@ -133,6 +145,15 @@ def measure(workload, contender_types, rounds: int, warmup: int, device: torch.d
         results[c.name].buffer_bytes = getattr(c, "buffer_bytes", None)
         results[c.name].report = dict(getattr(c, "report", {}))
     return [results[c.name] for c in contenders]
+
+
+def creation_order_for(n: int, seed: int | None) -> list[int] | None:
+    """A creation order of ``n`` contenders for :func:`measure`: None (as listed) where ``seed`` is None,
+    else a permutation drawn from ``seed`` (one per process, so that averages over processes do
+    not carry a copy's place in memory)."""
+    if seed is None:
+        return None
+    return [int(i) for i in np.random.default_rng(seed).permutation(n)]
 
 
 class SyncCounter(TorchDispatchMode):

@@ -32,6 +32,7 @@ from benchmarks.compiled_floor import CompiledContractReadFloor  # noqa: E402
 from benchmarks import workloads as W  # noqa: E402
 from benchmarks.harness import (  # noqa: E402
     allocator_option,
+    creation_order_for,
     gradwatch_logger_at,
     figure_table,
     format_table,
@@ -95,10 +96,11 @@ def compiled_section(rounds: int, warmup: int, device: torch.device, sync=None) 
 
 #: The contenders of the steady-state section: gradwatch's default against its read floors (the
 #: per-step reads; the contract's reads and writes over whole windows; those with the least per-step
-#: judgement, which the contract's floor leaves out), the usual alternative, and the noise floor.
+#: judgement, which the contract's floor leaves out), the usual alternative, the noise floor, and the
+#: default without its periodic heatmap image (budget 0: an install without the plot extra).
 STEADY_CONTENDERS = [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(50), C.DefaultStepFloor,
                      C.ContractReadFloor, C.JudgedReadFloor, C.LightningGradNorm,
-                     C.gradwatch_contender(50, heatmap_budget=0.01)]  # fmt: skip
+                     C.gradwatch_contender(50, heatmap_budget=0.0)]  # fmt: skip
 
 
 #: ... and of its compiled runs (``--compiled``): every copy compiled whole with inductor, gradwatch
@@ -112,7 +114,8 @@ COMPILED_STEADY_CONTENDERS = [
 
 
 def steady_section(windows: int, device: torch.device, flush_every: int = 50,
-                   workloads: list[str] | None = None, compiled: bool = False) -> dict:  # fmt: skip
+                   workloads: list[str] | None = None, compiled: bool = False,
+                   creation_seed: int | None = None) -> dict:  # fmt: skip
     """What the default costs over whole windows in steady state: every step of ``windows`` windows
     after the first two, timed interleaved (the first flush imports matplotlib and lays the heatmap
     out, ~0.5 s; the second draws it again, since the first drawing is no measure of the next
@@ -121,17 +124,21 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50,
     typical, unsampled step) does not see. Then gradwatch's gap to the contract's floor over whole
     windows with its interval, beside the A/A control's (``harness.window_gap``: what one run can
     resolve). ``workloads``: names of the standard workloads to run (default all three);
-    ``compiled``: the compiled contenders (:data:`COMPILED_STEADY_CONTENDERS`)."""
+    ``compiled``: the compiled contenders (:data:`COMPILED_STEADY_CONTENDERS`); ``creation_seed``:
+    make the model copies in an order drawn from it (``harness.creation_order_for``; None: as listed)."""
     contenders = COMPILED_STEADY_CONTENDERS if compiled else STEADY_CONTENDERS
+    creation = creation_order_for(len(contenders), creation_seed)
     print(f"\n# steady state{', compiled' if compiled else ''}: {windows} whole windows of {flush_every} steps "
           "after the first two; mean ratios")  # fmt: skip
     figures = {}
     for workload in W.standard():
         if workloads and not any(workload.name.startswith(name) for name in workloads):
             continue
-        results = measure(workload, contenders, windows * flush_every, 2 * flush_every, device)
+        results = measure(workload, contenders, windows * flush_every, 2 * flush_every, device,
+                          creation_order=creation)  # fmt: skip
         base = results[0]
-        print(f"## {workload.name}  (mean unmonitored step {base.mean * 1e3:.2f} ms)")
+        made = "" if creation is None else f"; copies made in the order {creation} of the list below"
+        print(f"## {workload.name}  (mean unmonitored step {base.mean * 1e3:.2f} ms{made})")
         figures[workload.name] = {}
         for r in results[1:]:
             paired = paired_ratio(r, base)
@@ -147,7 +154,11 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50,
         judged = [r for k, r in of_kind if issubclass(k, C.JudgedReadFloor)]  # (the CPU's runs)
         step_floor = next(r for k, r in of_kind
                           if issubclass(k, C.DefaultStepFloor) and not issubclass(k, (C.ContractReadFloor, C.OutputReadFloor)))
+        # the default without its periodic heatmap image (budget 0: what an install without matplotlib
+        # pays; the contract's floor draws no image, and one drawing in a run of 8 windows is ~0.3 point)
+        imageless = [r for r in results if r.name.startswith("gradwatch") and "budget 0.00%" in r.name]
         gaps = [("gradwatch above the contract's floor", gradwatch, floor),
+                *(("gradwatch without the periodic image above the contract's floor", r, floor) for r in imageless),
                 *(("gradwatch above the contract's floor judged every step", gradwatch, r) for r in judged),
                 ("gradwatch above the per-step floor", gradwatch, step_floor),
                 ("A/A: the control above the unmonitored run", control, base)]  # fmt: skip
@@ -226,6 +237,10 @@ def _main() -> None:
     parser.add_argument("--windows", type=int, default=4, help="steady section: whole windows timed (default 4)")
     parser.add_argument("--workloads", help="steady section: comma-separated, of mlp, resnet, transformer (default all)")
     parser.add_argument("--compiled", action="store_true", help="steady section: every copy compiled (inductor)")
+    parser.add_argument("--creation-seed", type=int, default=None,
+                        help="steady section: make the model copies in an order drawn from this seed (default: as "
+                             "listed); give each process its own, so that an average over processes does not carry "
+                             "a copy's place in memory")  # fmt: skip
     allocator_option(parser)
     args = parser.parse_args()
     allocator = use_allocator(args.allocator)
@@ -267,7 +282,7 @@ def _main() -> None:
     if "steady" in sections:
         report["steady"] = steady_section(1 if args.quick else args.windows, device,
                                           workloads=args.workloads.split(",") if args.workloads else None,
-                                          compiled=args.compiled)  # fmt: skip
+                                          compiled=args.compiled, creation_seed=args.creation_seed)  # fmt: skip
 
     if "depth" in sections:
         depths = (16, 64) if args.quick else (16, 64, 256)

@@ -11,7 +11,7 @@ import torch
 from benchmarks import breakdown as B
 from benchmarks import contenders as C
 from benchmarks import workloads as W
-from benchmarks.harness import balanced_orders, format_table, host_syncs_between_flushes, measure
+from benchmarks.harness import balanced_orders, creation_order_for, format_table, host_syncs_between_flushes, measure
 
 _TINY = W.mlp(depth=2, width=16, batch=8)
 _CPU = torch.device("cpu")
@@ -52,6 +52,29 @@ def test_every_contender_steps_is_timed_in_balanced_orders_and_reported():
     table = format_table(_TINY.name, results)
     assert all(r.name in table for r in results) and "1.000 [1.000, 1.000]" in table
 
+
+
+def test_model_copies_are_made_in_the_creation_order_asked_and_reported_as_listed():
+    # Where a copy's memory lies follows when it was made (RESULTS, thirty-ninth session): measure()
+    # makes them in creation_order, reports them in the listed order, and names a bad order.
+    made: list[str] = []
+
+    def kind(name: str) -> type[C.Contender]:
+        def init(self, model, workload, device):
+            made.append(name)
+            C.Contender.__init__(self, model, workload, device)
+
+        return type(name, (C.Contender,), {"name": name, "__init__": init})
+
+    kinds = [kind("a"), kind("b"), kind("c")]
+    results = measure(_TINY, kinds, rounds=1, warmup=0, device=_CPU, clock=_Ticks(), creation_order=[2, 0, 1])
+    assert made == ["c", "a", "b"] and [r.name for r in results] == ["a", "b", "c"]
+    with pytest.raises(ValueError, match=r"creation_order \[0, 0, 1\]"):
+        measure(_TINY, kinds, rounds=1, warmup=0, device=_CPU, creation_order=[0, 0, 1])
+    assert creation_order_for(3, None) is None
+    drawn = [creation_order_for(8, seed) for seed in range(6)]
+    assert all(sorted(order) == list(range(8)) for order in drawn) and len({tuple(o) for o in drawn}) > 1
+    assert creation_order_for(8, 4) == drawn[4]  # one seed, one order
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8])
 def test_balanced_orders_put_each_contender_right_after_every_other_equally_often(n):
