@@ -53,7 +53,6 @@ def test_every_contender_steps_is_timed_in_balanced_orders_and_reported():
     assert all(r.name in table for r in results) and "1.000 [1.000, 1.000]" in table
 
 
-
 def test_model_copies_are_made_in_the_creation_order_asked_and_reported_as_listed():
     # Where a copy's memory lies follows when it was made (RESULTS, thirty-ninth session): measure()
     # makes them in creation_order, reports them in the listed order, and names a bad order.
@@ -75,6 +74,7 @@ def test_model_copies_are_made_in_the_creation_order_asked_and_reported_as_liste
     drawn = [creation_order_for(8, seed) for seed in range(6)]
     assert all(sorted(order) == list(range(8)) for order in drawn) and len({tuple(o) for o in drawn}) > 1
     assert creation_order_for(8, 4) == drawn[4]  # one seed, one order
+
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8])
 def test_balanced_orders_put_each_contender_right_after_every_other_equally_often(n):
