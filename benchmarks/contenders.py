@@ -79,6 +79,9 @@ def gradwatch_contender(flush_every: int, with_optimizer: bool = False, detail: 
         name = (f"gradwatch flush={flush_every}" + (" full" if detail == "full" else "")
                 + (" +update_ratio" if with_optimizer else "")
                 + (f" heatmap budget {heatmap_budget:.2%}" if heatmap_budget is not None else ""))  # fmt: skip
+        #: what a report selects by (not the name, which a caller may replace: :func:`compiled`)
+        gradwatch = True
+        image_budget = heatmap_budget  # None: the sink's default
 
         def __init__(self, model, workload, device):
             super().__init__(model, workload, device)

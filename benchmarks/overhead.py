@@ -147,7 +147,8 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50,
                   f"[{paired[1]:.3f}, {paired[2]:.3f}]", flush=True)  # fmt: skip
         # by the contenders' kinds (gradwatch's default: the first gradwatch listed)
         of_kind = list(zip(contenders, results))
-        gradwatch = next(r for r in results if r.name.startswith("gradwatch"))
+        watching = [(k, r) for k, r in of_kind if getattr(k, "gradwatch", False)]
+        gradwatch = watching[0][1]
         control = next(r for k, r in of_kind if issubclass(k, C.UnmonitoredControl))
         floor = next(r for k, r in of_kind
                      if issubclass(k, C.ContractReadFloor) and not issubclass(k, C.JudgedReadFloor))
@@ -156,7 +157,7 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50,
                           if issubclass(k, C.DefaultStepFloor) and not issubclass(k, (C.ContractReadFloor, C.OutputReadFloor)))
         # the default without its periodic heatmap image (budget 0: what an install without matplotlib
         # pays; the contract's floor draws no image, and one drawing in a run of 8 windows is ~0.3 point)
-        imageless = [r for r in results if r.name.startswith("gradwatch") and "budget 0.00%" in r.name]
+        imageless = [r for k, r in watching if k.image_budget == 0.0]
         gaps = [("gradwatch above the contract's floor", gradwatch, floor),
                 *(("gradwatch without the periodic image above the contract's floor", r, floor) for r in imageless),
                 *(("gradwatch above the contract's floor judged every step", gradwatch, r) for r in judged),
@@ -166,7 +167,7 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50,
             gap = window_gap(base, upper, lower, flush_every)
             figures[workload.name][label] = gap
             print(f"  {label}: {gap[0]:+.2f} points [{gap[1]:+.2f}, {gap[2]:+.2f}] over {gap[3]} windows", flush=True)
-        for watched in (r for r in results if r.name.startswith(("gradwatch", "contract", "default"))):
+        for watched in (r for k, r in of_kind if getattr(k, "gradwatch", False) or issubclass(k, C.DefaultStepFloor)):
             parts = window_parts(base, control, watched, flush_every)
             figures[workload.name][f"parts of {watched.name}"] = parts
             print(f"  where {watched.name}'s mean goes, points of the unmonitored time (A/A in brackets): "
