@@ -67,7 +67,8 @@ class GradTap:
         _set_grad_enabled(False)
         try:
             if torch.compiler.is_compiling():
-                self._record_traced(grad if type(grad) is torch.Tensor else local_tensor(grad), shared)
+                # by the class, not the instance: one guard for every layer (taps.OutputTap._record_outputs)
+                GradTap._record_traced(self, grad if type(grad) is torch.Tensor else local_tensor(grad), shared)
             else:
                 self._record(local_tensor(grad), shared)
         except Exception as exc:  # never break training: reported at step() (nothing raises when traced)

@@ -237,7 +237,7 @@ class OutputTap(InertWhenCopied):
         """The tensor hook on the layer's output: its gradient's statistics (``grad_tap.py``);
         returns ``grad`` unchanged. A method of the tap, not of the gradient tap, so that compiled
         code reaches the shared state by the forward hook's own path."""
-        return self.grad_tap.on_output_grad(grad, self.shared)
+        return GradTap.on_output_grad(self.grad_tap, grad, self.shared)  # by the class: see _record_outputs
 
     # ----------------------------------------------------------------- forward
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
@@ -251,7 +251,7 @@ class OutputTap(InertWhenCopied):
             if torch.is_grad_enabled():
                 if not torch.compiler.is_compiling():
                     return self._record_eagerly(output)
-                return self._record_outputs(output)
+                return OutputTap._record_outputs(self, output)  # by the class: see _record_outputs
             elif not torch.compiler.is_compiling() and self.flags.sampling and _compat.in_reentrant_checkpoint():
                 # Reentrant activation checkpointing runs its blocks' first forward without grad:
                 # that call marks the forward order, nothing else; their recomputation inside
@@ -304,6 +304,11 @@ class OutputTap(InertWhenCopied):
                 host.order[self.index] = shared.clock_scale.start + host.next_order()
 
     def _record_outputs(self, output: Any) -> Any:
+        # Compiled code calls the taps' own methods through the class (``OutputTap.record_output(tap,
+        # ...)``), not the instance: a method read from an instance is a guard per tap that its
+        # ``__dict__`` does not shadow it, checked at every call of the compiled code (five a layer
+        # with the gradient tap's); read from the class, one guard for all (benchmarks/RESULTS.md,
+        # fortieth session).
         if isinstance(output, torch.Tensor):
             if not output.is_floating_point():
                 return None
@@ -313,12 +318,12 @@ class OutputTap(InertWhenCopied):
             if not tensors:
                 return None
             first, extras = tensors[0], tensors[1:]
-        self.record_output(first)
+        OutputTap.record_output(self, first)
         for tap in self.alias_taps:  # the same tensor: its forward check is this tap's (layers.ForwardAliases)
-            tap.record_output(first, checked=True)
+            OutputTap.record_output(tap, first, checked=True)
         for extra in extras:  # e.g. an RNN's h_n: an output with the same units, when it has them
             if extra.ndim and self.grad_stats.judged(extra):
-                self.record_output(extra)
+                OutputTap.record_output(self, extra)
         if self.shared.flags.grads_through_function and first.requires_grad and torch.compiler.is_compiling():
             if can_pass_through(output, first):
                 return pass_through(output, first, (self, *self.alias_taps))
@@ -340,7 +345,7 @@ class OutputTap(InertWhenCopied):
         if out.device != self.forward_sum.device:
             return  # a replica on another device (nn.DataParallel): its cells are not there
         if torch.compiler.is_compiling():
-            self._record_output_traced(out, checked)
+            OutputTap._record_output_traced(self, out, checked)  # by the class: see _record_outputs
             return
         flags = self.flags
         sampling = flags.sampling

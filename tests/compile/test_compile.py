@@ -530,6 +530,35 @@ def test_regional_blocks_share_their_graphs():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+def test_compiled_taps_call_their_own_methods_through_the_class():
+    # A method read from an instance is a guard, checked at every call of the compiled code, that the
+    # instance's __dict__ does not shadow it: five a layer for the taps' inner calls (~6% of the
+    # compiled MLP's guard check; benchmarks/RESULTS.md, fortieth session). Compiled code calls them
+    # through the class; left per layer: __call__ (dynamo's check for calling a hook object) and
+    # on_output_grad (the tensor hook is a bound method). Counted in dynamo's own guard tree.
+    import re
+
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch.manual_seed(0)
+    model = Net()
+    monitor = GradMonitor(model, flush_every=4)
+    torch._dynamo.reset()
+    run = torch.compile(model, backend=BACKEND, fullgraph=True)
+    for x, y in _batches(2):  # a sampled step: the tensor hooks are registered and traced
+        nn.functional.cross_entropy(run(x), y).backward()
+        monitor.step()
+    entries = _debug_get_cache_entry_list(Net.forward.__code__)
+    text = "\n".join(str(entry.guard_manager) for entry in entries)
+    monitor.close()
+    assert len(entries) == 1
+    checked = re.findall(r"___dict_contains\('(\w+)', (\S+?)\.__dict__\)", text)
+    of_taps = sorted({name for name, source in checked if "_forward_hooks[" in source})
+    assert of_taps == ["__call__", "on_output_grad"], of_taps
+    layers = len(monitor.layers)
+    assert sum(1 for name, source in checked if "_forward_hooks[" in source) == 2 * layers
+
+
 def test_another_instance_compiled_without_hooks_does_not_hide_them():
     # dynamo does not guard on module hooks by default: code compiled for an unmonitored instance
     # of the same class would run for the monitored one, hooks left out.
