@@ -110,15 +110,17 @@ def measure(workload, contender_types, rounds: int, warmup: int, device: torch.d
     made when decides where its memory lies, and two copies doing the same work can differ by up
     to a point in one process (benchmarks/RESULTS.md, thirty-ninth session): balanced orders do not
     cancel that, a different creation order in each process does (:func:`creation_order_for`)."""
+    listed = list(range(len(contender_types)))
+    order = listed if creation_order is None else list(creation_order)
+    if sorted(order) != listed:  # checked before any copy (and its hooks) is made
+        raise ValueError(f"creation_order {creation_order} must name each of the {len(contender_types)} "
+                         "contenders' indices once")  # fmt: skip
     torch.manual_seed(0)
     base = workload.make_model().to(device)
     made: dict[int, Any] = {}
-    for i in creation_order if creation_order is not None else range(len(contender_types)):
+    for i in order:
         made[i] = contender_types[i](copy.deepcopy(base), workload, device)
-    if sorted(made) != list(range(len(contender_types))):
-        raise ValueError(f"creation_order {creation_order} must name each of the {len(contender_types)} "
-                         "contenders' indices once")  # fmt: skip
-    contenders = [made[i] for i in range(len(contender_types))]
+    contenders = [made[i] for i in listed]
     results = {c.name: Result(c.name) for c in contenders}
     orders = balanced_orders(len(contenders))
     for r in range(warmup):  # interleaved, as the timed rounds
