@@ -29,7 +29,7 @@ from .host_cells import ClockScale, HostCells
 from .layers import LayerSpec
 
 if TYPE_CHECKING:  # taps.py imports this module
-    from .taps import RecordingFlags
+    from .recording_flags import RecordingFlags
 
 #: Projection weights are drawn once for up to this many rows (64 KiB); longer gradients
 #: generate theirs (four more ops, on sampled steps only).
@@ -210,7 +210,8 @@ class Cells:
     def __init__(self, layers: list[LayerSpec], unit_count: np.ndarray,
                  forward_sums: torch.Tensor | None = None) -> None:  # fmt: skip
         from . import host_branch  # (it imports this module)
-        from .taps import OutputTap, RecordingFlags  # taps.py imports this module
+        from .recording_flags import RecordingFlags  # (it imports host_branch, which imports this module)
+        from .taps import OutputTap  # taps.py imports this module
 
         self.n_layers = len(layers)
         self.unit_count = unit_count

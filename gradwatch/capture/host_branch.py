@@ -48,7 +48,8 @@ from .cells import add_recorded_output
 from .grad_statistics import GradStatistics
 
 if TYPE_CHECKING:
-    from .taps import OutputTap, RecordingFlags
+    from .recording_flags import RecordingFlags
+    from .taps import OutputTap
 
 log = logging.getLogger("gradwatch")
 

@@ -22,9 +22,7 @@ import torch
 
 from .column_groups import TINY, ColumnGroups, Group, group_key, read_by_dot
 from .layers import LayerSpec, rank_gradient
-from .reductions import (  # noqa: F401  (StepRows, nonfinite_counts: their import path before the split)
-    CpuBlasStats, ForeachStats, StepRows, TinyStats, complex_stats, nonfinite_counts,
-)
+from .reductions import CpuBlasStats, ForeachStats, StepRows, TinyStats, complex_stats
 from .sharded_sums import ShardedSums
 from ..distributed.sharding import is_dtensor, local_piece, piece_weight
 

@@ -373,7 +373,7 @@ def test_a_step_whose_cells_were_zeroed_mid_step_is_recorded_from_the_calls_afte
 
 def test_chunked_nonfinite_count_matches_isfinite():
     """The accelerator path counts in bounded chunks; checked here on CPU tensors."""
-    from gradwatch.capture.param_stats import nonfinite_counts as _nonfinite_counts
+    from gradwatch.capture.reductions import nonfinite_counts as _nonfinite_counts
 
     grads = [torch.randn(1000), torch.randn(37, 11), torch.randn(5), torch.randn(3000)]
     grads[0][[3, 999]] = float("nan")

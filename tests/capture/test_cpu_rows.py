@@ -14,7 +14,7 @@ from torch import nn
 from gradwatch import GradMonitor, registry
 from gradwatch.capture import cpu_rows, host_branch
 from gradwatch.capture.grad_statistics import GradStatistics
-from gradwatch.capture.taps import RecordingFlags
+from gradwatch.capture.recording_flags import RecordingFlags
 from gradwatch.registry import outputs
 from tests.test_core_hygiene import count_host_reads
 
