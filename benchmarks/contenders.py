@@ -293,6 +293,17 @@ def compile_alone(model: nn.Module, **compile_options: Any) -> Callable[..., Any
     return torch.compile(alone, **compile_options)
 
 
+def flushing_every(kind: type[Contender], flush_every: int) -> type[Contender]:
+    """``kind``, a floor that writes at a flush (``ContractReadFloor`` and its kin, whose windows are 50
+    steps unless told), with windows of ``flush_every`` steps: the same name, so that a report over
+    windows of another length compares gradwatch with a floor that flushes as often."""
+
+    def __init__(self, model, workload, device):
+        kind.__init__(self, model, workload, device, flush_every=flush_every)
+
+    return type(kind.__name__, (kind,), {"__init__": __init__})
+
+
 def compiled(kind: type[Contender], name: str | None = None) -> type[Contender]:
     """The same contender with its model run through ``torch.compile`` (the default inductor backend)."""
     return type(f"Compiled{kind.__name__}", (kind,), {"compiled": True, "name": name or f"{kind.name}, compiled"})

@@ -22,6 +22,8 @@ import os
 import platform
 import resource
 import sys
+import time
+from typing import Callable
 
 import torch
 
@@ -94,28 +96,31 @@ def compiled_section(rounds: int, warmup: int, device: torch.device, sync=None) 
     return figures
 
 
-#: The contenders of the steady-state section: gradwatch's default against its read floors (the
-#: per-step reads; the contract's reads and writes over whole windows; those with the least per-step
-#: judgement, which the contract's floor leaves out), the usual alternative, the noise floor, and the
-#: default without its periodic heatmap image (budget 0: an install without the plot extra).
-STEADY_CONTENDERS = [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(50), C.DefaultStepFloor,
-                     C.ContractReadFloor, C.JudgedReadFloor, C.LightningGradNorm,
-                     C.gradwatch_contender(50, heatmap_budget=0.0)]  # fmt: skip
-
-
-#: ... and of its compiled runs (``--compiled``): every copy compiled whole with inductor, gradwatch
-#: against the per-step floor and the contract's floor compiled (``compiled_floor.py``: its sampled
-#: reads behind gated opaque ops, as gradwatch's compiled taps take them).
-COMPILED_STEADY_CONTENDERS = [
-    C.compiled(C.Unmonitored, "none, compiled"), C.compiled(C.UnmonitoredControl, "none (A/A), compiled"),
-    C.compiled(C.gradwatch_contender(50), "gradwatch flush=50, compiled"),
-    C.compiled(C.DefaultStepFloor, "default's read floor, compiled"), CompiledContractReadFloor,
-]  # fmt: skip
+def steady_contenders(flush_every: int = 50, compiled: bool = False) -> list[type[C.Contender]]:
+    """The contenders of the steady-state section, every one that flushes with windows of
+    ``flush_every`` steps: gradwatch's default against its read floors (the per-step reads; the
+    contract's reads and writes over whole windows; those with the least per-step judgement, which
+    the contract's floor leaves out), the usual alternative, the noise floor, and the default without
+    its periodic heatmap image (budget 0: an install without the plot extra). ``compiled``: every
+    copy compiled whole with inductor, gradwatch against the per-step floor and the contract's floor
+    compiled (``compiled_floor.py``: its sampled reads behind gated opaque ops, as gradwatch's
+    compiled taps take them)."""
+    if compiled:
+        return [
+            C.compiled(C.Unmonitored, "none, compiled"), C.compiled(C.UnmonitoredControl, "none (A/A), compiled"),
+            C.compiled(C.gradwatch_contender(flush_every), f"gradwatch flush={flush_every}, compiled"),
+            C.compiled(C.DefaultStepFloor, "default's read floor, compiled"),
+            C.flushing_every(CompiledContractReadFloor, flush_every),
+        ]  # fmt: skip
+    return [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(flush_every), C.DefaultStepFloor,
+            C.flushing_every(C.ContractReadFloor, flush_every), C.flushing_every(C.JudgedReadFloor, flush_every),
+            C.LightningGradNorm, C.gradwatch_contender(flush_every, heatmap_budget=0.0)]  # fmt: skip
 
 
 def steady_section(windows: int, device: torch.device, flush_every: int = 50,
                    workloads: list[str] | None = None, compiled: bool = False,
-                   creation_seed: int | None = None) -> dict:  # fmt: skip
+                   creation_seed: int | None = None, candidates: list[W.Workload] | None = None,
+                   clock: Callable[[], float] = time.perf_counter) -> dict:  # fmt: skip
     """What the default costs over whole windows in steady state: every step of ``windows`` windows
     after the first two, timed interleaved (the first flush imports matplotlib and lays the heatmap
     out, ~0.5 s; the second draws it again, since the first drawing is no measure of the next
@@ -124,18 +129,20 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50,
     typical, unsampled step) does not see. Then gradwatch's gap to the contract's floor over whole
     windows with its interval, beside the A/A control's (``harness.window_gap``: what one run can
     resolve). ``workloads``: names of the standard workloads to run (default all three);
-    ``compiled``: the compiled contenders (:data:`COMPILED_STEADY_CONTENDERS`); ``creation_seed``:
-    make the model copies in an order drawn from it (``harness.creation_order_for``; None: as listed)."""
-    contenders = COMPILED_STEADY_CONTENDERS if compiled else STEADY_CONTENDERS
+    ``compiled``: the compiled contenders (:func:`steady_contenders`); ``creation_seed``:
+    make the model copies in an order drawn from it (``harness.creation_order_for``; None: as listed);
+    ``candidates``: the workloads to choose from (default the standard three); ``clock``: the timer
+    (``harness.measure``'s, replaceable by a test)."""
+    contenders = steady_contenders(flush_every, compiled)
     creation = creation_order_for(len(contenders), creation_seed)
     print(f"\n# steady state{', compiled' if compiled else ''}: {windows} whole windows of {flush_every} steps "
           "after the first two; mean ratios")  # fmt: skip
     figures = {}
-    for workload in W.standard():
+    for workload in W.standard() if candidates is None else candidates:
         if workloads and not any(workload.name.startswith(name) for name in workloads):
             continue
         results = measure(workload, contenders, windows * flush_every, 2 * flush_every, device,
-                          creation_order=creation)  # fmt: skip
+                          creation_order=creation, clock=clock)  # fmt: skip
         base = results[0]
         made = "" if creation is None else f"; copies made in the order {creation} of the list below"
         print(f"## {workload.name}  (mean unmonitored step {base.mean * 1e3:.2f} ms{made})")
@@ -167,7 +174,8 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50,
             gap = window_gap(base, upper, lower, flush_every)
             figures[workload.name][label] = gap
             print(f"  {label}: {gap[0]:+.2f} points [{gap[1]:+.2f}, {gap[2]:+.2f}] over {gap[3]} windows", flush=True)
-        for watched in (r for k, r in of_kind if getattr(k, "gradwatch", False) or issubclass(k, C.DefaultStepFloor)):
+        watched_kinds = {k for k, _ in watching}
+        for watched in (r for k, r in of_kind if k in watched_kinds or issubclass(k, C.DefaultStepFloor)):
             parts = window_parts(base, control, watched, flush_every)
             figures[workload.name][f"parts of {watched.name}"] = parts
             print(f"  where {watched.name}'s mean goes, points of the unmonitored time (A/A in brackets): "

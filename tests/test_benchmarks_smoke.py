@@ -444,3 +444,27 @@ def test_window_gap_is_the_mean_over_whole_windows_of_the_difference_in_points()
     assert low == pytest.approx(5.0) and high == pytest.approx(55.0)  # resampled means lie between the extremes
     # a contender against itself: zero, exactly
     assert window_gap(base, floor, floor, window=4)[:3] == (0.0, 0.0, 0.0)
+
+
+def test_steady_section_windows_every_contender_as_it_says_and_reports_each_gap():
+    # The section's contenders were fixed at windows of 50 steps whatever its flush_every: a report
+    # over windows of 4 would have set gradwatch's and the floors' flushes 50 steps apart. Now every
+    # contender that flushes does so on the section's windows, eager and compiled; and the section
+    # runs end to end on a clock of ticks (every step one tick: every gap and part exactly zero).
+    from benchmarks import overhead as O
+
+    for compiled in (False, True):
+        made = [kind(_TINY.make_model(), _TINY, _CPU) for kind in O.steady_contenders(4, compiled)]
+        try:
+            windows = {c.name: (c.monitor.flush_every if hasattr(c, "monitor") else c.flush_every)
+                       for c in made if hasattr(c, "monitor") or hasattr(c, "flush_every")}  # fmt: skip
+        finally:
+            for c in made:
+                c.close()
+        assert len(windows) == (2 if compiled else 4) and set(windows.values()) == {4}, windows
+    figures = O.steady_section(1, _CPU, flush_every=4, candidates=[_TINY], clock=_Ticks())[_TINY.name]
+    gaps = [k for k in figures if "above" in k]
+    assert len(gaps) == 5 and all(figures[k][:3] == (0.0, 0.0, 0.0) and figures[k][3] == 1 for k in gaps)
+    parts = [k for k in figures if k.startswith("parts of ")]
+    assert len(parts) == 5 and all(v == (0.0, 0.0) for k in parts for v in figures[k].values())
+    assert all(figures[c.name]["mean_ratio"] == 1.0 for c in O.steady_contenders(4)[1:])
