@@ -28,7 +28,7 @@ from .grad_statistics import FLOAT32_SAFE_NORM, ROW_COUNTS
 from .host_cells import ClockScale, HostCells
 from .layers import LayerSpec
 
-if TYPE_CHECKING:  # taps.py imports this module
+if TYPE_CHECKING:  # (recording_flags.py imports host_branch.py, which imports this module)
     from .recording_flags import RecordingFlags
 
 #: Projection weights are drawn once for up to this many rows (64 KiB); longer gradients
@@ -67,7 +67,7 @@ class DeviceTapState:
     """What every tap of the layers on one device reads besides its own cells, in one object.
 
     Args:
-        flags: the monitor's ``taps.RecordingFlags``.
+        flags: the monitor's ``recording_flags.RecordingFlags``.
         clock: [1] the forward order's clock, counted down at each sampled compiled call.
         sampled: [1] bool, whether this step is sampled (what compiled taps read on the device).
         sampled_count: [1] the same as 1.0 or 0.0, in the stat dtype.
