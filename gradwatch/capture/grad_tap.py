@@ -77,6 +77,19 @@ class GradTap:
             _set_grad_enabled(grad_mode)
         return grad
 
+    def record_call(self, g: torch.Tensor, shared: "DeviceTapState") -> None:
+        """A compiled call's output gradient on a sampled step, recorded as the eager hook records one
+        (:meth:`_record`): run on the host by the opaque op of ``host_branch.py``. A failure is kept
+        for step() to report, as inside the hook."""
+        grad_mode = torch.is_grad_enabled()
+        _set_grad_enabled(False)
+        try:
+            self._record(g, shared)
+        except Exception as exc:  # never break training: reported at step()
+            self.failed(exc)
+        finally:
+            _set_grad_enabled(grad_mode)
+
     def _record(self, g: torch.Tensor, shared: "DeviceTapState") -> None:
         """Fold one output gradient into the step's cells (eager hooks run on sampled steps only):
         its statistics written into the cells at the step's first gradient, added after it; the

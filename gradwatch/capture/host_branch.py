@@ -95,37 +95,43 @@ def follow_sampling(key: int, flags: "RecordingFlags") -> None:
 
 def _add_output_grad(grad: torch.Tensor, row: torch.Tensor, weights: torch.Tensor, flags_key: int, unit_count: int,
                      channel_first: bool, unit_sums: bool) -> None:  # fmt: skip
-    """On sampled steps, one output gradient into its layer's backward cells (``row``: sum of
-    squares, calls, samples, then its dead-unit evidence): ``GradStatistics.add_to_cells``, with
-    the layer's own statistics object where the row leads to its tap (its float32 rows in a window
-    that allows them, as its eager tap takes: ``_tap_at``), else one made of the layer's facts,
-    which are arguments (equal across layers of the same shape). Nothing on the others."""
+    """On sampled steps, one output gradient of a layer. Where ``row`` (its backward cells: sum of
+    squares, calls, samples, then its dead-unit evidence) leads to its tap (``_tap_at``), what the
+    layer's eager tap records of it, by the same code (``GradTap.record_call``: its precision of the
+    window, the counts on the host, the cells written at the step's first call). Else (a copy of the
+    cells) ``GradStatistics.add_to_cells`` into ``row``, with a statistics object made of the layer's
+    facts, which are arguments (equal across layers of the same shape). Nothing on the others."""
     if not GATE[flags_key]:
         return
     tap = _tap_at(_FLAGS.get(flags_key), row)
     if tap is not None:
-        stats = tap.grad_stats
-    else:
-        stats = GradStatistics(unit_count, channel_first, weights, row.dtype)
-        stats.unit_sums = unit_sums
+        tap.grad_tap.record_call(grad, tap.shared)
+        return
+    stats = GradStatistics(unit_count, channel_first, weights, row.dtype)
+    stats.unit_sums = unit_sums
     with torch.no_grad():
         stats.add_to_cells(grad, weights, row, fast=stats.float32_rows(grad))
 
 
 def _mark_output(output: torch.Tensor, cells: torch.Tensor, clock: torch.Tensor, tick: float, flags_key: int,
                  statistics: bool) -> None:  # fmt: skip
-    """On sampled steps, one output into its layer's forward cells: ``cells.add_recorded_output``,
-    in float32 where the layer's window allows it, as its eager tap would (``OutputTap.exact_outputs``).
+    """On sampled steps, one output of a layer. Where ``cells`` (its forward cells) lead to its tap,
+    what the layer's eager tap records of it, by the same code (``OutputTap.record_sampled_call``: its
+    forward order on the host, its output statistics at its precision of the window): this runs on
+    the host in the order of the compiled calls. Else (a copy of the cells) ``cells.add_recorded_output``
+    in float64 and the device clock, which eager taps then read (``OutputTap._mark_order``).
     Nothing on the others."""
     if not GATE[flags_key]:
         return
     flags = _FLAGS.get(flags_key)
+    tap = _tap_at(flags, cells)
+    if tap is not None:
+        tap.record_sampled_call(output)
+        return
     if flags is not None:
         flags.compiled_marks += 1  # eager taps after it read the clock on the device (``OutputTap._mark_order``)
-    tap = _tap_at(flags, cells)
-    exact = tap is None or tap.exact_outputs
     with torch.no_grad():
-        add_recorded_output(output, cells, clock, tick, statistics, exact)
+        add_recorded_output(output, cells, clock, tick, statistics)
 
 
 def _tap_at(flags: "RecordingFlags | None", cells: torch.Tensor) -> "OutputTap | None":
@@ -199,8 +205,9 @@ def _define_ops() -> "torch.library.Library | None":
 _LIBRARY = _define_ops()  # kept: the registrations live as long as this object
 #: whether compiled taps record their sampled statistics through these ops (else at every step,
 #: masked). Also whether every compiled call that counts the forward clock down tells the host
-#: (``mark_output`` counts it in ``RecordingFlags.compiled_marks``), unless the step is traced
-#: whole (``detail="full"`` records in the graph): eager taps read it for their order mark.
+#: (``mark_output`` counts it in ``RecordingFlags.compiled_marks`` where it is handed a copy of the
+#: cells; handed its tap's own, it orders the call on the host as an eager tap does), unless the
+#: step is traced whole (``detail="full"`` records in the graph): eager taps read it for their order mark.
 IN_USE = _LIBRARY is not None and _compat.OPS_IN_HOOKS
 add_output_grad = _op("add_output_grad") if _LIBRARY is not None else None
 mark_output = _op("mark_output") if _LIBRARY is not None else None

@@ -6,11 +6,14 @@ where in the step's forward it ran. Counting them in device cells cost an op eac
 call (an ``add_`` of a Python number; ~20 ops per sampled step of a 9-layer MLP). Here they are
 numpy counts, written at no device cost and added into the step's row by ``step()`` with a few
 ops whatever the number of layers (none on the CPU path, whose buffer is host memory).
-Compiled taps cannot count on the host (their Python does not run at every call): they keep
-their device cells, and the two add up in the row.
+Compiled calls count here too where their sampled statistics go through the opaque ops
+(``host_branch.py``): the ops' kernels run on the host at every sampled call, and where they are
+handed a tap's own cells they record by the eager tap's code. Traced recording (``detail="full"``,
+the masked path) and an op handed a copy of the cells keep device cells; the two add up in the row.
 
 The forward order is the one value eager and compiled taps must agree on: it is the device
-clock (``taps.DeviceCells.clock``), which each *compiled* call counts down by ``tick``, read
+clock (``taps.DeviceCells.clock``), which each *compiled* call whose Python does not run at
+run time (traced recording, an op handed a copy of the cells) counts down by ``tick``, read
 by an eager tap at its first call of the step (one op, no decrement; none while no compiled call
 has counted it down in the step, as the op that marks compiled calls tells the host: the clock is
 then at its start, and the host adds that value itself), plus a host part that

@@ -52,7 +52,8 @@ class RecordingFlags:
         #: sum, and the per-step stage can skip zeroing them (``per_step_rows.py``).
         self.forward_writes = 0
         #: Compiled calls that counted the forward clock down at this step, as the opaque op that marks
-        #: them tells the host (``host_branch.mark_output``; zeroed at every step). While none has,
+        #: them tells the host (``host_branch.mark_output`` handed a copy of the cells; handed its
+        #: tap's own, it orders the call on the host instead; zeroed at every step). While none has,
         #: the clock is at its start, which an eager tap's order can say without a device op.
         self.compiled_marks = 0
         #: Some tap failed since the last step (its ``failure`` says how); reported at step(), not in the hook.

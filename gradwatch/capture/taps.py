@@ -276,6 +276,23 @@ class OutputTap(InertWhenCopied):
         if sampling and out.requires_grad:
             out.register_hook(self.on_output_grad)
 
+    def record_sampled_call(self, out: torch.Tensor) -> None:
+        """A compiled call's output on a sampled step, recorded as this eager tap records one (its
+        forward order and output statistics; not its forward check, which the compiled code took):
+        run on the host by the opaque op of ``host_branch.py``, in the order of the compiled calls.
+        A failure is kept for step() to report, as inside the hook."""
+        grad_mode = torch.is_grad_enabled()  # (off where compiled code runs: restored, not switched on)
+        _set_grad_enabled(False)
+        try:
+            if not _compat.in_backward():  # a recomputation inside backward is not forward order
+                self._mark_order()
+            if self.records_outputs:
+                self._record_output_stats(out, self.flags.step)
+        except Exception as exc:  # never break training: reported at step()
+            self.failed(exc)
+        finally:
+            _set_grad_enabled(grad_mode)
+
     def _record_output_stats(self, local: torch.Tensor, step: int) -> None:
         """Eager: the declared output statistics of one call, written into the cells at the step's first
         call (``out=``) and added after it; the element count on the host."""

@@ -233,16 +233,16 @@ class _Float64Reads(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def test_the_sampled_step_ops_take_each_layer_s_precision_of_the_window_as_its_eager_tap():
-    # The ops that record compiled sampled steps (capture/host_branch.py) run eagerly, called by
-    # inductor's wrapper with the layer's own cells. After a window whose magnitudes were far from
-    # float32's limits, a layer's eager tap reduces its outputs and output gradients in float32
-    # (registry.outputs.float32_is_exact, GradStatistics.float32_rows); the ops did so in float64 in
-    # every window, copying each tensor to float64 first (2.3 ms a sampled step of the compiled MLP
-    # 8x512). Called here as the wrapper calls them, they find the layer by its cells and take its
-    # precision, and what they add equals a float64 reference; handed a copy of the cells (as
-    # aot_eager does), float64. That inductor hands them the cells themselves is tested on the
-    # inductor-compiled conv net below.
+def test_the_sampled_step_ops_record_as_the_layer_s_eager_tap_by_its_code_and_a_copy_of_the_cells_in_float64():
+    # The ops that record compiled sampled steps (capture/host_branch.py) run on the host, called by
+    # inductor's wrapper with the layer's own cells. Found by its cells, the layer's tap records the
+    # call by its eager code: after a window whose magnitudes were far from float32's limits it
+    # reduces in float32 (registry.outputs.float32_is_exact, GradStatistics.float32_rows; the ops
+    # once did so in float64 in every window: 2.3 ms a sampled step of the compiled MLP 8x512), and
+    # counts the calls, samples and elements on the host (host_cells.py) instead of adding each into
+    # a device cell. Handed a copy of the cells (as aot_eager does), the ops add everything into it in
+    # float64. What they record equals a float64 reference either way. That inductor hands them the
+    # cells themselves is tested on the inductor-compiled conv net below.
     from gradwatch.capture import host_branch
     from gradwatch.registry import outputs
 
@@ -254,36 +254,46 @@ def test_the_sampled_step_ops_take_each_layer_s_precision_of_the_window_as_its_e
         model(torch.randn(8, 16)).square().mean().backward()
         monitor.step()
     cells = monitor._stages.pipeline.recorder.cells
-    tap, flags, shared = cells.taps[0], cells.flags, cells.devices[0].shared
+    tap, flags, shared, host = cells.taps[0], cells.flags, cells.devices[0].shared, cells.host
     assert not tap.exact_outputs and tap.grad_stats.float32  # magnitudes ~1: float32 for the window
     out = torch.relu(torch.randn(64, 32))
     g = torch.randn(64, 32)
 
-    def mark(target: torch.Tensor) -> tuple[torch.Tensor, int]:
-        before, reads = target.clone(), _Float64Reads()
+    def mark(target: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, int]:
+        before, counted, reads = target.clone(), host.values.copy(), _Float64Reads()
+        clock = float(shared.clock)
         with reads:
             host_branch._mark_output(out, target, shared.clock, shared.clock_tick, flags.key, True)
-        return target - before, reads.count
+        ticks.append((clock - float(shared.clock)) / shared.clock_tick)
+        return target - before, host.values - counted, reads.count
 
-    def add_grad(target: torch.Tensor) -> tuple[torch.Tensor, int]:
-        before, reads = target.clone(), _Float64Reads()
+    def add_grad(target: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, int]:
+        before, counted, reads = target.clone(), host.values.copy(), _Float64Reads()
         with reads:
             host_branch._add_output_grad(g, target, shared.weights, flags.key, 32, False, False)
-        return target - before, reads.count
+        return target - before, host.values - counted, reads.count
 
     want_sq, want_grad_sq = float(out.double().square().sum()), float(g.double().square().sum())
-    for target, float64 in ((tap.forward_cells, False), (tap.forward_cells.clone(), True)):
-        added, reads = mark(target)
-        assert (reads > 0) == float64
-        assert added[1] == out.numel() and added[3] == int((out != 0).sum())
-        assert float(added[2]) == pytest.approx(want_sq, rel=1e-6)
-    for target, float64 in ((tap.grad_tap.grad_row, False), (tap.grad_tap.grad_row.clone(), True)):
-        added, reads = add_grad(target)
-        assert (reads > 0) == float64
-        assert float(added[0]) == pytest.approx(want_grad_sq, rel=1e-6)
-        assert list(added[1:3]) == [1.0, 64.0] and (added[3:] > 0).all()  # a call, its samples; every unit alive
+    order, calls, samples, elements = range(4)  # HostCells.values' rows
+    ticks: list[float] = []  # how far each mark counted the device clock down
+    for own in (True, False):
+        target = tap.forward_cells if own else tap.forward_cells.clone()
+        added, counted, reads = mark(target)
+        assert (reads > 0) == (not own)
+        assert float(added[2]) == pytest.approx(want_sq, rel=1e-6) and added[3] == int((out != 0).sum())
+        # the elements (and the order) on the host for the tap's own cells, in the copy otherwise
+        assert (counted[elements, 0], float(added[1])) == ((out.numel(), 0.0) if own else (0.0, out.numel()))
+        assert (counted[order, 0] > 0, ticks[-1]) == ((True, 0.0) if own else (False, 1.0))  # host order, or the clock
+    for own in (True, False):
+        target = tap.grad_tap.grad_row if own else tap.grad_tap.grad_row.clone()
+        added, counted, reads = add_grad(target)
+        assert (reads > 0) == (not own)
+        assert float(added[0]) == pytest.approx(want_grad_sq, rel=1e-6) and (added[3:] > 0).all()  # every unit alive
+        counts = [counted[calls, 0], counted[samples, 0]] if own else list(added[1:3])
+        assert counts == [1.0, 64.0]  # a call, its samples
+        assert not (added[1:3].any() if own else counted.any())
     tap.exact_outputs, tap.grad_stats.float32 = True, False  # a window near float32's limits: float64
-    assert mark(tap.forward_cells)[1] > 0 and add_grad(tap.grad_tap.grad_row)[1] > 0
+    assert mark(tap.forward_cells)[2] > 0 and add_grad(tap.grad_tap.grad_row)[2] > 0
     monitor.close()
 
 
@@ -1014,7 +1024,9 @@ def _count_statistics_at_run_time(monkeypatch) -> dict:
     from gradwatch.capture.grad_statistics import GradStatistics
 
     computed = {"grads": 0, "values": 0}
+    # (the ops record a gradient by the eager tap's code where they find its tap, else into the copy)
     monkeypatch.setattr(GradStatistics, "add_to_cells", _counting(computed, "grads", GradStatistics.add_to_cells))
+    monkeypatch.setattr(GradStatistics, "record", _counting(computed, "grads", GradStatistics.record))
     monkeypatch.setattr(registry, "accumulate_all", _counting(computed, "values", registry.accumulate_all))
     return computed
 
@@ -1100,7 +1112,7 @@ def test_inductor_default_detail_records_a_conv_net_s_sampled_steps_as_the_eager
     assert counted[1:] == [(layers, layers, layers, layers) if w.sampled[t] else (0, 0, 0, 0)
                            for t in range(1, 4)]  # fmt: skip
     # ... handing them each layer's own cells, by which they find its tap and its precision of the
-    # window (test_the_sampled_step_ops_take_each_layer_s_precision_of_the_window_as_its_eager_tap)
+    # window (test_the_sampled_step_ops_record_as_the_layer_s_eager_tap_by_its_code_and_a_copy_of_the_cells_in_float64)
     assert found == {True: 2 * layers * len(sampled)}
     # Inductor may cache the monitored graphs, as it does the model's without gradwatch (a torch.cond
     # branch in them made it bypass its FX graph cache, "Can't cache HigherOrderOperator: cond").
