@@ -297,6 +297,33 @@ def test_the_sampled_step_ops_record_as_the_layer_s_eager_tap_by_its_code_and_a_
     monitor.close()
 
 
+def test_a_failure_inside_the_sampled_step_ops_is_said_at_step_not_raised_into_compiled_code(caplog, monkeypatch):
+    # The ops' kernels run inside compiled code (inductor's wrapper calls them): an exception there
+    # would stop training. Where they record by the eager tap's code, a failure is kept on the tap
+    # and said once at step(), as a hook's is (test_failing_hook_warns_once_and_training_goes_on).
+    from gradwatch import registry
+    from gradwatch.capture import grad_statistics, host_branch
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("forced failure")
+
+    model = nn.Linear(16, 32)
+    monitor = GradMonitor(model, flush_every=4)
+    cells = monitor._stages.pipeline.recorder.cells
+    tap, flags, shared = cells.taps[0], cells.flags, cells.devices[0].shared
+    monkeypatch.setattr(registry, "accumulate_all", broken)
+    monkeypatch.setattr(grad_statistics.GradStatistics, "record", broken)
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        host_branch._mark_output(torch.randn(8, 32), tap.forward_cells, shared.clock, shared.clock_tick, flags.key, True)
+        host_branch._add_output_grad(torch.randn(8, 32), tap.grad_tap.grad_row, shared.weights, flags.key, 32, False,
+                                     False)  # fmt: skip
+        model(torch.randn(8, 16)).square().mean().backward()  # (eager: its sampled step fails the same way)
+        monitor.step()
+    said = [r.getMessage() for r in caplog.records if "forced failure" in r.getMessage()]
+    assert len(said) == 1 and "layer <root>" in said[0] and "training continues" in said[0]  # once for the layer
+    monitor.close()
+
+
 def test_inductor_compiled_values_equal_the_eager_twin():
     # The real code generator: the taps' ops fused into the model's own kernels.
     w, expected = _train_both("fullgraph", steps=2, detail="full", backend="inductor")
