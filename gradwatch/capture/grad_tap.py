@@ -62,7 +62,8 @@ class GradTap:
 
     def on_output_grad(self, grad: torch.Tensor, shared: "DeviceTapState") -> torch.Tensor:
         """Tensor hook on the output: sum of squares (float64), calls and dead-unit evidence.
-        ``shared``: the device's ``cells.DeviceTapState``. Returns ``grad`` unchanged."""
+        ``shared``: the device's ``cells.DeviceTapState``. Returns ``grad`` unchanged. Also what the
+        opaque op of ``host_branch.py`` calls at a compiled sampled call (at run time: the eager path)."""
         grad_mode = torch.is_grad_enabled()  # on only in a backward with create_graph=True
         _set_grad_enabled(False)
         try:
@@ -76,19 +77,6 @@ class GradTap:
         finally:
             _set_grad_enabled(grad_mode)
         return grad
-
-    def record_call(self, g: torch.Tensor, shared: "DeviceTapState") -> None:
-        """A compiled call's output gradient on a sampled step, recorded as the eager hook records one
-        (:meth:`_record`): run on the host by the opaque op of ``host_branch.py``. A failure is kept
-        for step() to report, as inside the hook."""
-        grad_mode = torch.is_grad_enabled()
-        _set_grad_enabled(False)
-        try:
-            self._record(g, shared)
-        except Exception as exc:  # never break training: reported at step()
-            self.failed(exc)
-        finally:
-            _set_grad_enabled(grad_mode)
 
     def _record(self, g: torch.Tensor, shared: "DeviceTapState") -> None:
         """Fold one output gradient into the step's cells (eager hooks run on sampled steps only):

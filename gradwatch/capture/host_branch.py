@@ -97,7 +97,7 @@ def _add_output_grad(grad: torch.Tensor, row: torch.Tensor, weights: torch.Tenso
                      channel_first: bool, unit_sums: bool) -> None:  # fmt: skip
     """On sampled steps, one output gradient of a layer. Where ``row`` (its backward cells: sum of
     squares, calls, samples, then its dead-unit evidence) leads to its tap (``_tap_at``), what the
-    layer's eager tap records of it, by the same code (``GradTap.record_call``: its precision of the
+    layer's eager tap records of it, by the same code (``GradTap.on_output_grad``: its precision of the
     window, the counts on the host, the cells written at the step's first call). Else (a copy of the
     cells) ``GradStatistics.add_to_cells`` into ``row``, with a statistics object made of the layer's
     facts, which are arguments (equal across layers of the same shape). Nothing on the others."""
@@ -105,7 +105,7 @@ def _add_output_grad(grad: torch.Tensor, row: torch.Tensor, weights: torch.Tenso
         return
     tap = _tap_at(_FLAGS.get(flags_key), row)
     if tap is not None:
-        tap.grad_tap.record_call(grad, tap.shared)
+        tap.grad_tap.on_output_grad(grad, tap.shared)  # (at run time: its eager path)
         return
     stats = GradStatistics(unit_count, channel_first, weights, row.dtype)
     stats.unit_sums = unit_sums

@@ -267,10 +267,7 @@ class OutputTap(InertWhenCopied):
             if not checked:
                 self._check_forward(local_tensor(out), flags)
             if sampling:
-                if not _compat.in_backward():  # a recomputation inside backward is not forward order
-                    self._mark_order()
-                if self.records_outputs:  # the declared output statistics (registry/outputs.py)
-                    self._record_output_stats(local_tensor(out), flags.step)
+                self._record_sampled(out, flags.step)
         finally:
             _set_grad_enabled(True)  # the tap runs only with grad enabled
         if sampling and out.requires_grad:
@@ -284,14 +281,19 @@ class OutputTap(InertWhenCopied):
         grad_mode = torch.is_grad_enabled()  # (off where compiled code runs: restored, not switched on)
         _set_grad_enabled(False)
         try:
-            if not _compat.in_backward():  # a recomputation inside backward is not forward order
-                self._mark_order()
-            if self.records_outputs:
-                self._record_output_stats(out, self.flags.step)
+            self._record_sampled(out, self.flags.step)
         except Exception as exc:  # never break training: reported at step()
             self.failed(exc)
         finally:
             _set_grad_enabled(grad_mode)
+
+    def _record_sampled(self, out: torch.Tensor, step: int) -> None:
+        """What a sampled step records of one output besides the forward check (eager, grad mode off):
+        the forward order and the declared output statistics (registry/outputs.py)."""
+        if not _compat.in_backward():  # a recomputation inside backward is not forward order
+            self._mark_order()
+        if self.records_outputs:
+            self._record_output_stats(local_tensor(out), step)
 
     def _record_output_stats(self, local: torch.Tensor, step: int) -> None:
         """Eager: the declared output statistics of one call, written into the cells at the step's first
