@@ -64,11 +64,11 @@ from typing import Any
 import torch
 
 from .. import _compat, registry
-from . import host_branch
-from .cells import DeviceTapState, add_recorded_output, advance_clock
+from . import host_branch, traced_output
+from .cells import DeviceTapState, advance_clock
 from .grad_passthrough import can_pass_through, pass_through
 from .grad_statistics import GradStatistics
-from .grad_tap import GradTap, masked
+from .grad_tap import GradTap
 from .host_cells import HostCells
 from .layers import LayerSpec, grad_tensors
 from .recording_flags import RecordingFlags
@@ -255,7 +255,7 @@ class OutputTap(InertWhenCopied):
         # as alarming); in float32 at least, so that half-precision sums do not overflow. Grad
         # mode off rather than detach(): one op fewer per call, and no autograd node.
         if torch.compiler.is_compiling():
-            OutputTap._record_output_traced(self, out, checked)  # by the class: see _record_outputs
+            traced_output.record_output(self, out, checked)  # (a module's function: one guard for all taps)
             return
         if out.device != self.device:
             return  # a replica on another device (nn.DataParallel): its cells are not there
@@ -309,70 +309,18 @@ class OutputTap(InertWhenCopied):
             stats.add_(registry.accumulate_all(local, stats.dtype, self.exact_outputs))
         self.host.add(self.host.elements, self.index, local.numel())
 
-    def _record_output_traced(self, out: torch.Tensor, checked: bool) -> None:
-        """``record_output`` inside compiled code: every step's graph is the sampled one; what only
-        sampled steps record goes to the opaque op that reads the host's flag when it runs
-        (``host_branch.py``), or where it is not in use is computed at every step and masked; with
-        ``detail="full"`` (a constant for the compiled code) every step records it in the graph. The
-        forward check's sum fuses into the kernel that makes the output or reads it next."""
-        if out.device != self.forward_sum.device:  # (the cell's device: a guarded tensor, no attribute of its own)
-            return  # a replica on another device (nn.DataParallel): its cells are not there
-        local = out if type(out) is torch.Tensor else local_tensor(out)  # no call traced for plain tensors
-        shared = self.shared
-        cells = self.forward_cells  # [first call | output elements | output statistics]
-        with torch.no_grad():
-            if not checked:
-                self.forward_sum.add_(_forward_sum(local))
-            if shared.flags.every_step:
-                add_recorded_output(local, cells, shared.clock, shared.clock_tick, self.records_outputs)
-            elif host_branch.IN_USE:
-                host_branch.mark_output(local, cells, shared.clock, shared.clock_tick, shared.flags.key,
-                                        self.records_outputs)  # fmt: skip
-            else:
-                self._record_output_masked(local, cells)
-        if out.requires_grad and not shared.flags.grads_through_function:
-            out.register_hook(self.on_output_grad)
-
-    def _record_output_masked(self, local: torch.Tensor, cells: torch.Tensor) -> None:
-        """What ``host_branch.mark_output`` records, computed at every step and kept on sampled ones
-        (a torch where the ops are not in use). Masked this way, the output statistics' float64
-        squares and count over every output element cost the compiled MLP and Transformer ~1 point
-        of their step (benchmarks/RESULTS.md, fifteenth session)."""
-        shared = self.shared
-        count = shared.sampled_count
-        # The clock is finite and non-negative, so a product keeps it or makes it 0, which the
-        # first-call cell (zeroed at sampled steps, never negative) ignores.
-        cells[0:1].clamp_min_(shared.clock * count)
-        shared.clock.sub_(count * shared.clock_tick)
-        if self.records_outputs:
-            (values,) = masked(shared, (registry.accumulate_all(local, cells.dtype),))
-            cells[2:].add_(values)
-            cells[1:2].add_(count * local.numel())
-
     def _check_forward(self, out: torch.Tensor, flags: RecordingFlags) -> None:
         """Add the output's sum to the step's cell (eager): one op at a layer's first call of a step (a
         sum written straight into the cell, over whatever it held: the output is non-finite exactly
         when the sum is, or when it overflows float32, as alarming; counted in ``forward_writes``),
         two for the calls after it (compiled code: a sum and an add, which the compiler fuses;
-        ``_record_output_traced``)."""
+        ``traced_output.record_output``)."""
         if self.checked_at != flags.step:
             self.checked_at = flags.step
             flags.forward_writes += 1
             torch.sum(out, dim=None, dtype=torch.float32, out=self.step_sum)
         else:
             self.step_sum.add_(out.sum(dtype=torch.float32))
-
-
-def _forward_sum(local: torch.Tensor) -> torch.Tensor:
-    """A compiled tap's sum of its output, in float32. Of a 2-D (or smaller) output, a (1,) reduction
-    like the (1,) cell it is added into: a 0-d sum made inductor reinterpret its reused scalar buffer
-    twice per layer in the wrapper (17 calls in the compiled MLP's forward, ~7 us each cold: 116 us
-    of it). Larger outputs keep the 0-d sum: inductor may lay them out channels-last, where a
-    flattened reduction indexes the storage elementwise (the compiled CNN's forward took 17.7 ms
-    more; benchmarks/RESULTS.md, twenty-second session)."""
-    if local.ndim <= 2:
-        return local.flatten().sum(0, keepdim=True, dtype=torch.float32)
-    return local.sum(dtype=torch.float32)
 
 
 def inert_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
