@@ -5,17 +5,24 @@ evidence share one, a row per layer), so that ``Recorder.record_step`` reads and
 layer's cells with a few ops whatever the number of layers; each tap holds
 aliases of its layer's part (``taps.OutputTap``). What every tap on a device shares (the
 recording flags, the forward clock, the sampling flag, the projection weights) is one object,
-``DeviceTapState``, that each tap reaches through one attribute.
+``DeviceTapState``, that eager taps reach through one attribute (``shared``) and compiled taps
+through one global, :data:`TAP_STATES`, by a key equal across the device's layers.
 
 Why so few objects, measured on the compiled MLP (torch 2.13): dynamo checks a guard for every
 tensor a compiled tap reads at every call of the compiled code, and an object reached by two
 paths (``tap0.clock`` and ``tap1.clock``) costs an aliasing guard evaluated in Python (~2 us each).
 With ~8 cells per tap and the shared flags reached from every tap and its gradient tap, the
 compiled MLP checked 95 tensor guards and ~50 aliasing guards against its floor's 19 and none.
+The one object reached from every tap (``tap.shared``) still cost one aliasing guard per layer
+(``tap_k.shared is tap_0.shared``, ~1-2 us each warm: 128 of the 64-block MLP's ~580 us guard
+check); read from the global by a constant key it is one path for every tap, checked in C++
+(benchmarks/RESULTS.md, forty-second session).
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -58,6 +65,28 @@ def add_recorded_output(output: torch.Tensor, row: torch.Tensor, clock: torch.Te
         row[2:].add_(registry.accumulate_all(output, row.dtype, exact))
 
 
+#: key -> the tap state of one device of an attached monitor (``DeviceTapState.key``): how compiled
+#: taps reach it (``OutputTap.__call__``, ``on_traced_output_grad``), one path for every layer (the module docstring says
+#: why). Keys are the smallest free, so that a monitor attached after another one closed hands
+#: compiled code the same constant (as ``host_branch.register``); an entry leaves at close() or
+#: when its monitor's cells are collected.
+TAP_STATES: "dict[int, DeviceTapState]" = {}
+
+
+def enter_states(states: "list[DeviceTapState]") -> None:
+    """Give each of ``states`` a key in :data:`TAP_STATES`."""
+    for state in states:
+        state.key = next(k for k in itertools.count(1) if k not in TAP_STATES)
+        TAP_STATES[state.key] = state
+
+
+def release_states(states: "list[DeviceTapState]") -> None:
+    """``states`` leave :data:`TAP_STATES` (a key another monitor took since is left to it)."""
+    for state in states:
+        if TAP_STATES.get(state.key) is state:
+            del TAP_STATES[state.key]
+
+
 def _alias(storage: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """Cells ``storage[start:stop]`` as a tensor of its own version counter (see ``taps.py``)."""
     return storage.data[start:stop].data
@@ -83,6 +112,8 @@ class DeviceTapState:
         #: how far a compiled call counts the clock down; eager taps order themselves on the host
         #: (``host_order``) or count it down too (float32 cells: ``host_cells.ClockScale``)
         self.clock_tick, self.host_order = clock_scale.tick, clock_scale.host_order
+        #: its key in :data:`TAP_STATES` while its monitor is attached (``enter_states``; 0: none)
+        self.key = 0
 
     @classmethod
     def declare(cls, flags: "RecordingFlags", device: torch.device) -> "DeviceTapState":
@@ -233,6 +264,10 @@ class Cells:
                 self.flags.device_flags.append((cells.shared.sampled, cells.shared.sampled_count))
             for k, i in enumerate(members):
                 per_layer[i] = (cells, k, int(cells.row_start[k]))
+        states = [cells.shared for cells in self.devices]
+        enter_states(states)
+        # collected without close(): the keys go with the cells (the states hold nothing that reaches them)
+        self._release = weakref.finalize(self, release_states, states)
         for i, layer in enumerate(layers):
             cells, k, start = per_layer[i]
             tap = OutputTap(
@@ -247,6 +282,11 @@ class Cells:
             self.taps.append(tap)
             self.flags.taps_at[tap.forward_cells.data_ptr()] = tap
             self.flags.taps_at[tap.grad_tap.grad_row.data_ptr()] = tap
+
+    def release(self) -> None:
+        """close(): the devices' tap states leave :data:`TAP_STATES` (compiled code still holding
+        the monitor's taps finds none there: its guards fail, and it compiles again without them)."""
+        self._release()
 
     @property
     def nbytes(self) -> int:

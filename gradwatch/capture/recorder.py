@@ -273,6 +273,7 @@ class Recorder:
         """Forget the model (close()): the taps stop, the optimizer hooks go, the parameters are dropped."""
         self.replace_updates(None)
         self.flags.close()
+        self.cells.release()
         self.flags.cache_configs = []
         self.discard_pending()
         self.param_stats.drop_references()

@@ -29,10 +29,12 @@ What dynamo needs, each measured on torch 2.13 (tests/test_compile.py keeps them
   fake-tensor conversion.
 - Cells have shape ``(1,)`` at least: a captured 0-d tensor mutated in compiled code loses the write.
 - A tap holds three tensors of cells (its forward sum; its forward row; its backward row, the
-  dead-unit evidence after the counts) and reaches what the taps of its device share through one
-  attribute (``shared``); its output-gradient hook is a method of the tap, so compiled code
-  reaches that state by the same path (``cells.py`` says why: every tensor read is a guard and a
-  graph input, every object reached by two paths a guard evaluated in Python).
+  dead-unit evidence after the counts). What the taps of its device share, eager code reaches
+  through one attribute (``shared``) and compiled code through one global by the tap's
+  ``state_key``, an int equal across the device's layers (``cells.TAP_STATES``); its
+  output-gradient hook is a method of the tap, so compiled code reaches that state by the same
+  path (``cells.py`` says why: every tensor read is a guard and a graph input, every object
+  reached by two paths a guard evaluated in Python).
 - Per-layer facts a tap reads are tensors or values equal across layers of the same
   shape: an int constant that differs per layer (an offset, an index) makes every
   block of a regionally compiled model a new graph, and ``fullgraph=True`` then fails
@@ -65,7 +67,7 @@ import torch
 
 from .. import _compat, registry
 from . import host_branch, traced_output
-from .cells import DeviceTapState, advance_clock
+from .cells import TAP_STATES, DeviceTapState, advance_clock
 from .grad_passthrough import can_pass_through, pass_through
 from .grad_statistics import GradStatistics
 from .grad_tap import GradTap
@@ -102,10 +104,14 @@ class OutputTap(InertWhenCopied):
 
     def __init__(self, layer: LayerSpec, shared: DeviceTapState, *, host: HostCells, index: int,
                  forward_sum: torch.Tensor, forward_cells: torch.Tensor, grad_row: torch.Tensor) -> None:  # fmt: skip
-        #: the recording flags, clock, sampling flag and projection weights of the layer's device: the
-        #: one path by which compiled code reaches them (``cells.py``: an object reached by two
-        #: paths costs a guard evaluated in Python at every call)
+        #: the recording flags, clock, sampling flag and projection weights of the layer's device (eager;
+        #: compiled code reads them by ``state_key``: an object reached from every tap costs a guard
+        #: per tap evaluated in Python at every call, ``cells.py``)
         self.shared = shared
+        #: how compiled code reads ``shared``: ``TAP_STATES[state_key]`` (``cells.py``), here only (a second
+        #: module reading that global would be a guard that both see the same dict), once a forward
+        #: call, handed down; equal across the device's layers, so equal blocks share one graph
+        self.state_key = shared.key
         self.name = layer.name  # read on the failure path only
         #: what each output gradient contributes (sum of squares, dead-unit evidence)
         self.grad_stats = GradStatistics(layer.units, layer.channel_first, shared.weights, grad_row.dtype)
@@ -151,20 +157,29 @@ class OutputTap(InertWhenCopied):
         code reaches the shared state by the forward hook's own path."""
         return GradTap.on_output_grad(self.grad_tap, grad, self.shared)  # by the class: see _record_outputs
 
+    def on_traced_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """:meth:`on_output_grad` as compiled code registers it: the shared state read by ``state_key``
+        (see ``__init__``). A method of its own rather than a branch in the eager hook: dynamo traces
+        every instruction of it for every layer (``tests/compile``: a budget per layer)."""
+        return GradTap.on_output_grad(self.grad_tap, grad, TAP_STATES[self.state_key])
+
     # ----------------------------------------------------------------- forward
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         """Record ``output``; returns None (the output unchanged), or in compiled code with the
         model's KV cache on, the output with a copy that carries the gradient tap (see
         ``capture/grad_passthrough.py``). Dynamo traces this at every layer call it compiles (and again
         after every graph break before it), so its traced path reads no property and builds no tuple."""
-        if not self.shared.flags.active:
-            return None
         try:
+            if torch.compiler.is_compiling():
+                shared = TAP_STATES[self.state_key]  # read once, handed down (see __init__)
+                if shared.flags.active and torch.is_grad_enabled():
+                    return OutputTap._record_outputs(self, output, shared)  # by the class: see _record_outputs
+                return None
+            if not self.shared.flags.active:
+                return None
             if torch.is_grad_enabled():
-                if not torch.compiler.is_compiling():
-                    return self._record_eagerly(output)
-                return OutputTap._record_outputs(self, output)  # by the class: see _record_outputs
-            elif not torch.compiler.is_compiling() and self.flags.sampling and _compat.in_reentrant_checkpoint():
+                return self._record_eagerly(output)
+            elif self.flags.sampling and _compat.in_reentrant_checkpoint():
                 # Reentrant activation checkpointing runs its blocks' first forward without grad:
                 # that call marks the forward order, nothing else; their recomputation inside
                 # backward, with grad, records the rest but not the order. (Other calls without
@@ -179,7 +194,7 @@ class OutputTap(InertWhenCopied):
         forward check alone, without the general path's calls (~6 us less a layer call in context)."""
         flags = self.shared.flags
         if flags._sampling or type(output) is not torch.Tensor or self.alias_taps:
-            return self._record_outputs(output)
+            return self._record_outputs(output, self.shared)
         if output.is_floating_point() and output.device == self.device:
             _set_grad_enabled(False)
             try:
@@ -215,12 +230,14 @@ class OutputTap(InertWhenCopied):
             else:  # no compiled call marked its order before this one: the clock is at its start
                 host.order[self.index] = shared.clock_scale.start + host.next_order()
 
-    def _record_outputs(self, output: Any) -> Any:
-        # Compiled code calls the taps' own methods through the class (``OutputTap.record_output(tap,
-        # ...)``), not the instance: a method read from an instance is a guard per tap that its
-        # ``__dict__`` does not shadow it, checked at every call of the compiled code (five a layer
-        # with the gradient tap's); read from the class, one guard for all (benchmarks/RESULTS.md,
-        # fortieth session).
+    def _record_outputs(self, output: Any, shared: DeviceTapState) -> Any:
+        """Record each output tensor of one call (eager, or traced); ``shared``: the device's state
+        (``self.shared``, as compiled code reads it: ``__call__``)."""
+        # Compiled code calls the taps' own methods through the class (``OutputTap._record_outputs(tap,
+        # ...)``) or a module (``traced_output``), not the instance: a method read from an instance is
+        # a guard per tap that its ``__dict__`` does not shadow it, checked at every call of the
+        # compiled code (five a layer with the gradient tap's); read from the class, one guard for all
+        # (benchmarks/RESULTS.md, fortieth session).
         if isinstance(output, torch.Tensor):
             if not output.is_floating_point():
                 return None
@@ -230,13 +247,15 @@ class OutputTap(InertWhenCopied):
             if not tensors:
                 return None
             first, extras = tensors[0], tensors[1:]
-        OutputTap.record_output(self, first)
+        compiling = torch.compiler.is_compiling()
+        record = traced_output.record_output if compiling else OutputTap.record_output
+        record(self, first, False, shared)
         for tap in self.alias_taps:  # the same tensor: its forward check is this tap's (layers.ForwardAliases)
-            OutputTap.record_output(tap, first, checked=True)
+            record(tap, first, True, shared)  # (the same device: the same state)
         for extra in extras:  # e.g. an RNN's h_n: an output with the same units, when it has them
             if extra.ndim and self.grad_stats.judged(extra):
-                OutputTap.record_output(self, extra)
-        if self.shared.flags.grads_through_function and first.requires_grad and torch.compiler.is_compiling():
+                record(self, extra, False, shared)
+        if compiling and shared.flags.grads_through_function and first.requires_grad:
             if can_pass_through(output, first):
                 return pass_through(output, first, (self, *self.alias_taps))
             self.grad_left_out = True  # said at the flush (ModelWatch.check_grads_left_out)
@@ -247,19 +266,17 @@ class OutputTap(InertWhenCopied):
         self.failure = exc
         self.flags.failed = True
 
-    def record_output(self, out: torch.Tensor, checked: bool = False) -> None:
-        """Fold one output into this step's cells (and, on sampled steps, watch its gradient);
+    def record_output(self, out: torch.Tensor, checked: bool, shared: DeviceTapState) -> None:
+        """Eager: fold one output into this step's cells (and, on sampled steps, watch its gradient);
         ``checked``: another tap's forward check reads this very tensor (an alias's: the host copies
-        that sum into this layer's column, ``layers.ForwardAliases``), so this one takes none."""
+        that sum into this layer's column, ``layers.ForwardAliases``), so this one takes none.
+        ``shared``: the device's state. Traced code: ``traced_output.record_output``."""
         # The sum is non-finite exactly when the output holds a NaN or Inf (or overflows float32,
         # as alarming); in float32 at least, so that half-precision sums do not overflow. Grad
         # mode off rather than detach(): one op fewer per call, and no autograd node.
-        if torch.compiler.is_compiling():
-            traced_output.record_output(self, out, checked)  # (a module's function: one guard for all taps)
-            return
         if out.device != self.device:
             return  # a replica on another device (nn.DataParallel): its cells are not there
-        flags = self.flags
+        flags = shared.flags
         sampling = flags.sampling
         _set_grad_enabled(False)
         try:

@@ -6,7 +6,8 @@ output or reads it next; what only sampled steps record goes to the opaque op th
 flag when it runs (``host_branch.py``), or, where that op is not in use, is computed at every step
 and masked; with ``detail="full"`` (a constant for the compiled code) every step records it in the
 graph. Functions of a module, not methods: compiled code reaches them by one global for every tap
-(a method read from a tap would be a guard per tap: ``OutputTap._record_outputs``).
+(a method read from a tap would be a guard per tap: ``OutputTap._record_outputs``). They are handed
+the device's shared state as the tap's ``__call__`` read it (``cells.TAP_STATES``).
 """
 
 from __future__ import annotations
@@ -18,21 +19,21 @@ import torch
 from .. import registry
 from ..distributed.sharding import local_tensor
 from . import host_branch
-from .cells import add_recorded_output
+from .cells import DeviceTapState, add_recorded_output
 from .grad_tap import masked
 
 if TYPE_CHECKING:
     from .taps import OutputTap
 
 
-def record_output(tap: "OutputTap", out: torch.Tensor, checked: bool) -> None:
-    """``tap.record_output(out, checked)`` while dynamo traces: the forward check unless ``checked``
+def record_output(tap: "OutputTap", out: torch.Tensor, checked: bool, shared: DeviceTapState) -> None:
+    """``OutputTap.record_output`` while dynamo traces: the forward check unless ``checked``
     (an alias's output, checked by another tap), the sampled statistics by the opaque op (or
-    masked, or every step), and the gradient tap on ``out``."""
+    masked, or every step), and the gradient tap on ``out``. ``shared``: the state of the tap's
+    device (``cells.TAP_STATES``)."""
     if out.device != tap.forward_sum.device:  # (the cell's device: a guarded tensor, no attribute of its own)
         return  # a replica on another device (nn.DataParallel): its cells are not there
     local = out if type(out) is torch.Tensor else local_tensor(out)  # no call traced for plain tensors
-    shared = tap.shared
     cells = tap.forward_cells  # [first call | output elements | output statistics]
     with torch.no_grad():
         if not checked:
@@ -43,17 +44,16 @@ def record_output(tap: "OutputTap", out: torch.Tensor, checked: bool) -> None:
             host_branch.mark_output(local, cells, shared.clock, shared.clock_tick, shared.flags.key,
                                     tap.records_outputs)  # fmt: skip
         else:
-            _record_masked(tap, local, cells)
+            _record_masked(tap, local, cells, shared)
     if out.requires_grad and not shared.flags.grads_through_function:
-        out.register_hook(tap.on_output_grad)
+        out.register_hook(tap.on_traced_output_grad)
 
 
-def _record_masked(tap: "OutputTap", local: torch.Tensor, cells: torch.Tensor) -> None:
+def _record_masked(tap: "OutputTap", local: torch.Tensor, cells: torch.Tensor, shared: DeviceTapState) -> None:
     """What ``host_branch.mark_output`` records, computed at every step and kept on sampled ones
     (a torch where the ops are not in use). Masked this way, the output statistics' float64
     squares and count over every output element cost the compiled MLP and Transformer ~1 point
     of their step (benchmarks/RESULTS.md, fifteenth session)."""
-    shared = tap.shared
     count = shared.sampled_count
     # The clock is finite and non-negative, so a product keeps it or makes it 0, which the
     # first-call cell (zeroed at sampled steps, never negative) ignores.

@@ -179,6 +179,40 @@ def test_the_gate_compiled_code_reads_follows_each_monitor_s_sampling_and_outliv
     assert host_branch.GATE[key] is False
 
 
+def test_the_tap_states_compiled_code_reads_are_each_monitor_s_own_and_leave_with_it():
+    # Compiled taps read their device's shared state from cells.TAP_STATES by a key equal across the
+    # layers (an attribute of every tap was a guard per layer). Each tap's key leads to its own
+    # monitor's state; a closed monitor's entry is gone (its compiled code then fails its guards),
+    # its key goes to the next monitor (the same constant for compiled code), and a monitor
+    # collected without close() leaves nothing behind.
+    from gradwatch.capture.cells import TAP_STATES
+
+    def taps_of(monitor):
+        return monitor._recorder.cells.taps
+
+    before = dict(TAP_STATES)
+    first = GradMonitor(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1)), flush_every=2)
+    second = GradMonitor(nn.Linear(3, 2), flush_every=2)
+    for monitor in (first, second):
+        taps = taps_of(monitor)
+        assert {tap.state_key for tap in taps} == {taps[0].state_key}  # one key for the device's layers
+        assert TAP_STATES[taps[0].state_key] is taps[0].shared
+    key = taps_of(first)[0].state_key
+    assert key != taps_of(second)[0].state_key
+    first.close()
+    assert key not in TAP_STATES
+    third = GradMonitor(nn.Linear(3, 2), flush_every=2)
+    assert taps_of(third)[0].state_key == key and TAP_STATES[key] is taps_of(third)[0].shared
+    first.close()  # closing again leaves the key's new owner alone
+    assert TAP_STATES[key] is taps_of(third)[0].shared
+    third.close()
+    second_key = taps_of(second)[0].state_key
+    del second, monitor, taps
+    gc.collect()
+    assert second_key not in TAP_STATES
+    assert TAP_STATES == before
+
+
 def test_a_large_tiny_layer_keeps_exact_statistics_in_eager_training():
     # act_rms's exact windows (every window of a layer at ~1e-25) and a channels-last convolution's
     # output gradients (never float32 rows: GradStatistics.float32_rows) take the rows on large tensors.
