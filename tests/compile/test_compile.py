@@ -596,6 +596,34 @@ def test_compiled_taps_reach_their_device_s_shared_state_by_one_path():
     assert "TAP_STATES" in text  # the state is read, by its one path
 
 
+def test_another_monitor_attaching_or_closing_elsewhere_does_not_recompile_a_compiled_model():
+    # Compiled taps read cells.TAP_STATES by their key: dynamo guards that one key, not the dict, so a
+    # second monitor (another model, a GAN's other half) taking a key or giving it back leaves the
+    # first model's compiled code valid. Counted against the same run without the second monitor.
+    def run(with_second: bool) -> tuple[int, int]:
+        torch._dynamo.reset()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        torch.manual_seed(0)
+        model = Net()
+        monitor = GradMonitor(model, flush_every=4)
+        forward = torch.compile(model, backend=BACKEND, fullgraph=True)
+        for k, (x, y) in enumerate(_batches(6)):
+            if with_second and k == 2:
+                other = GradMonitor(nn.Linear(3, 2), flush_every=2)
+            if with_second and k == 4:
+                other.close()
+            nn.functional.cross_entropy(forward(x), y).backward()
+            monitor.step()
+            model.zero_grad()
+        monitor.close()
+        return counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
+
+    alone = run(with_second=False)
+    assert run(with_second=True) == alone, alone
+    torch._dynamo.reset()
+
+
 def test_compiled_taps_call_their_own_methods_through_the_class():
     # A method read from an instance is a guard, checked at every call of the compiled code, that the
     # instance's __dict__ does not shadow it: five a layer for the taps' inner calls (~6% of the
