@@ -66,10 +66,10 @@ def add_recorded_output(output: torch.Tensor, row: torch.Tensor, clock: torch.Te
 
 
 #: key -> the tap state of one device of an attached monitor (``DeviceTapState.key``): how compiled
-#: taps reach it (``OutputTap.__call__``, ``on_traced_output_grad``), one path for every layer (the module docstring says
-#: why). Keys are the smallest free, so that a monitor attached after another one closed hands
-#: compiled code the same constant (as ``host_branch.register``); an entry leaves at close() or
-#: when its monitor's cells are collected.
+#: taps reach it (``OutputTap.__call__``, ``OutputTap.on_traced_output_grad``), one path for every
+#: layer (the module docstring says why). Keys are the smallest free, so that a monitor attached
+#: after another one closed hands compiled code the same constant (as ``host_branch.register``); an
+#: entry leaves at close() or when its monitor's cells are collected.
 TAP_STATES: "dict[int, DeviceTapState]" = {}
 
 

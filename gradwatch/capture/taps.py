@@ -152,9 +152,10 @@ class OutputTap(InertWhenCopied):
         return self.shared.flags
 
     def on_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """The tensor hook on the layer's output: its gradient's statistics (``grad_tap.py``);
-        returns ``grad`` unchanged. A method of the tap, not of the gradient tap, so that compiled
-        code reaches the shared state by the forward hook's own path."""
+        """The tensor hook on the layer's output in eager code: its gradient's statistics
+        (``grad_tap.py``); returns ``grad`` unchanged. Compiled code registers
+        :meth:`on_traced_output_grad`; both are methods of the tap, not of the gradient tap, so that
+        the hook reaches the shared state by the forward hook's own path."""
         return GradTap.on_output_grad(self.grad_tap, grad, self.shared)  # by the class: see _record_outputs
 
     def on_traced_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
