@@ -52,17 +52,17 @@ def advance_clock(first_call: torch.Tensor, clock: torch.Tensor, tick: float) ->
 
 
 def add_recorded_output(output: torch.Tensor, row: torch.Tensor, clock: torch.Tensor, tick: float,
-                        statistics: bool, exact: bool = True) -> None:  # fmt: skip
+                        statistics: bool) -> None:  # fmt: skip
     """Add one output of a recorded step to its layer's forward row on the device ([first call |
     output elements | output statistics]): the forward order (:func:`advance_clock`) and, where
-    ``statistics``, the elements and the declared output statistics (``registry/outputs.py``). What
-    compiled taps record at every step with ``detail="full"`` (traced), and the opaque op of
-    ``host_branch.py`` on sampled steps (run eagerly, with the layer's ``exact`` of the window, as
-    its eager tap would: ``OutputTap.exact_outputs``)."""
+    ``statistics``, the elements and the declared output statistics (``registry/outputs.py``), exact
+    (float64 where the dtype is). What compiled taps record at every step with ``detail="full"``
+    (traced), and the opaque op of ``host_branch.py`` on sampled steps where it is handed a copy of
+    the cells (no tap to take a precision from; handed the tap's own, it records by the tap's code)."""
     advance_clock(row[0:1], clock, tick)
     if statistics:
         row[1:2].add_(output.numel())
-        row[2:].add_(registry.accumulate_all(output, row.dtype, exact))
+        row[2:].add_(registry.accumulate_all(output, row.dtype))
 
 
 #: key -> the tap state of one device of an attached monitor (``DeviceTapState.key``): how compiled

@@ -567,18 +567,23 @@ def test_regional_blocks_share_their_graphs():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
-def _guard_tree(model: nn.Module, monitor: GradMonitor) -> str:
-    """Dynamo's guard tree of ``model`` compiled whole after a sampled step (the tensor hooks traced)."""
+def _monitored_net_guard_tree() -> tuple[str, int]:
+    """Dynamo's guard tree of a monitored ``Net`` compiled whole after a sampled step (the tensor
+    hooks traced), and the number of monitored layers."""
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
+    torch.manual_seed(0)
+    model = Net()
+    monitor = GradMonitor(model, flush_every=4)
     torch._dynamo.reset()
     run = torch.compile(model, backend=BACKEND, fullgraph=True)
     for x, y in _batches(2):  # a sampled step: the tensor hooks are registered and traced
         nn.functional.cross_entropy(run(x), y).backward()
         monitor.step()
-    entries = _debug_get_cache_entry_list(type(model).forward.__code__)
+    entries = _debug_get_cache_entry_list(Net.forward.__code__)
+    monitor.close()
     assert len(entries) == 1
-    return "\n".join(str(entry.guard_manager) for entry in entries)
+    return "\n".join(str(entry.guard_manager) for entry in entries), len(monitor.layers)
 
 
 def test_compiled_taps_reach_their_device_s_shared_state_by_one_path():
@@ -586,11 +591,7 @@ def test_compiled_taps_reach_their_device_s_shared_state_by_one_path():
     # the same object, evaluated in Python at every call of the compiled code (~1-2 us each warm:
     # ~100 us of the 64-block MLP's guard check; benchmarks/RESULTS.md, forty-second session).
     # Compiled taps read it from one global by a key equal across the layers (cells.TAP_STATES).
-    torch.manual_seed(0)
-    model = Net()
-    monitor = GradMonitor(model, flush_every=4)
-    text = _guard_tree(model, monitor)
-    monitor.close()
+    text, _ = _monitored_net_guard_tree()
     aliasing = [line for line in text.splitlines() if "LAMBDA_GUARD" in line and "_forward_hooks" in line]
     assert aliasing == [], aliasing[:2]
     assert "TAP_STATES" in text  # the state is read, by its one path
@@ -632,15 +633,10 @@ def test_compiled_taps_call_their_own_methods_through_the_class():
     # on_traced_output_grad (the tensor hook is a bound method). Counted in dynamo's own guard tree.
     import re
 
-    torch.manual_seed(0)
-    model = Net()
-    monitor = GradMonitor(model, flush_every=4)
-    text = _guard_tree(model, monitor)
-    monitor.close()
+    text, layers = _monitored_net_guard_tree()
     checked = re.findall(r"___dict_contains\('(\w+)', (\S+?)\.__dict__\)", text)
     of_taps = sorted({name for name, source in checked if "_forward_hooks[" in source})
     assert of_taps == ["__call__", "on_traced_output_grad"], of_taps
-    layers = len(monitor.layers)
     assert sum(1 for name, source in checked if "_forward_hooks[" in source) == 2 * layers
 
 
