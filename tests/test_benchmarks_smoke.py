@@ -468,3 +468,66 @@ def test_steady_section_windows_every_contender_as_it_says_and_reports_each_gap(
     parts = [k for k in figures if k.startswith("parts of ")]
     assert len(parts) == 5 and all(v == (0.0, 0.0) for k in parts for v in figures[k].values())
     assert all(figures[c.name]["mean_ratio"] == 1.0 for c in O.steady_contenders(4)[1:])
+
+
+def _callgrind_dump(path, events: list[str], values: list[int]) -> None:
+    """A file as callgrind writes a dump: its events and their totals (the lines the script reads)."""
+    path.write_text("# callgrind format\nversion: 1\ncreator: callgrind-3.19.0\n"
+                    f"events: {' '.join(events)}\nfn=(1) main\n0 {' '.join(map(str, values))}\n"
+                    f"summary: {' '.join(map(str, values))}\ntotals: {' '.join(map(str, values))}\n")  # fmt: skip
+
+
+def test_instruction_counts_are_averaged_per_copy_and_phase_in_the_order_the_dumps_were_made(tmp_path):
+    from benchmarks import instructions as I
+
+    # two counted steps of each copy, three phases each: 18 dumps, numbered past 9 (10 sorts after 9)
+    labels, values, expected = [], {}, collections.defaultdict(list)
+    for step in range(2):
+        for copy_index, copy_name in enumerate(I.COPIES):
+            for phase_index, phase in enumerate(I.PHASES):
+                n = len(labels) + 1
+                ir, dr = 1000 * (copy_index + 1) + 100 * phase_index + step, 7 * n
+                _callgrind_dump(tmp_path / f"callgrind.out.{n}", ["Ir", "Dr"], [ir, dr])
+                labels.append([copy_name, phase])
+                values[n] = (ir, dr)
+                expected[copy_name, phase].append((ir, dr))
+    (tmp_path / "callgrind.out").write_text("events: Ir Dr\nsummary: 0 0\n")  # the run's end: not a step
+    dumps = I.dumps_in_order(str(tmp_path / "callgrind.out"))
+    assert [int(p.rsplit(".", 1)[1]) for p in dumps] == list(range(1, 19))
+    table = I.per_phase(labels, dumps)
+    for (copy_name, phase), rows in expected.items():
+        assert table[copy_name][phase] == {"Ir": sum(r[0] for r in rows) / 2, "Dr": sum(r[1] for r in rows) / 2}
+    lines = I.report(table, ["Ir", "Dr"])
+    # gradwatch minus the floor over the whole step: the three phases' means summed, per copy
+    whole = {c: sum(sum(r[0] for r in expected[c, p]) / 2 for p in I.PHASES) for c in I.COPIES}
+    assert any(line.startswith("whole step") and f"{whole['gradwatch'] - whole['floor']:+12,.0f}" in line
+               for line in lines)  # fmt: skip
+    with pytest.raises(ValueError, match="did not finish"):
+        I.per_phase(labels[:-1], dumps)
+    (tmp_path / "empty.1").write_text("events: Ir\n")
+    with pytest.raises(ValueError, match="no summary line"):
+        I.parse_dump(str(tmp_path / "empty.1"))
+
+
+def test_instructions_child_counts_each_copy_s_unsampled_steps_phase_by_phase(tmp_path, monkeypatch):
+    """Run natively, where callgrind's toggles are no-ops: the labels the parent pairs with the dumps."""
+    import argparse
+
+    from benchmarks import instructions as I
+    from gradwatch.capture.layout import planned_slots
+    from gradwatch.settings import DETAILS
+
+    monkeypatch.delenv(I._CHILD, raising=False)
+    manifest = tmp_path / "manifest.json"
+    args = argparse.Namespace(workload="mlp", batch=2, compiled=False, steps=2, warmup=1, flush_every=8,
+                              manifest=str(manifest))  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        I.run_child(args)
+    finally:
+        torch.set_num_threads(threads)
+    made = json.loads(manifest.read_text())
+    sampled = planned_slots(8, DETAILS["standard"])
+    assert made["counted_slots"] and all(not sampled[s] and s != 7 for s in made["counted_slots"])
+    expected = [[c, p] for _ in made["counted_slots"] for c in I.COPIES for p in I.PHASES]
+    assert made["labels"] == expected
