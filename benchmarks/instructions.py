@@ -11,7 +11,8 @@ the CPU executes, the same for the same code and inputs whatever else the machin
 script runs itself under ``valgrind --tool=callgrind`` with instrumentation off (the imports,
 compiling and warm-up run at valgrind's uninstrumented speed), makes three copies of one model
 (unmonitored, gradwatch's default, and the contract's read floor: ``contenders.ContractReadFloor``,
-compiled ``compiled_floor.CompiledContractReadFloor``), steps them interleaved, and counts
+compiled ``compiled_floor.CompiledContractReadFloor``; ``--judged``: ``contenders.JudgedReadFloor``, the
+least per-step judgement added, eager only), steps them interleaved, and counts
 ``--steps`` unsampled, non-flush steps of each (the step gradwatch takes ~47 times in 50) phase by
 phase: the forward and backward, the read (gradwatch's ``step()``, the floor's read; nothing for
 the unmonitored copy) and the optimizer's step. Reported: instructions per step and phase, mean
@@ -132,10 +133,12 @@ def function_differences(labels: list[list[str]], dumps: list[str], top: int) ->
 # ---------------------------------------------------------------- the child, under valgrind
 
 
-def _contenders(compiled: bool, flush_every: int) -> list:
+def _contenders(compiled: bool, flush_every: int, judged: bool = False) -> list:
     from benchmarks import contenders as C
     from benchmarks.compiled_floor import CompiledContractReadFloor
 
+    if judged:  # (eager: the judged floor reads host memory)
+        return [C.Unmonitored, C.gradwatch_contender(flush_every), C.flushing_every(C.JudgedReadFloor, flush_every)]
     if compiled:
         return [C.compiled(C.Unmonitored, "none"), C.compiled(C.gradwatch_contender(flush_every), "gradwatch"),
                 C.flushing_every(CompiledContractReadFloor, flush_every)]  # fmt: skip
@@ -192,7 +195,8 @@ def run_child(args: argparse.Namespace) -> None:
     workload = _workload(args.workload, args.batch)
     torch.manual_seed(0)
     base = workload.make_model()
-    copies = [kind(copy.deepcopy(base), workload, torch.device("cpu")) for kind in _contenders(args.compiled, args.flush_every)]
+    kinds = _contenders(args.compiled, args.flush_every, getattr(args, "judged", False))
+    copies = [kind(copy.deepcopy(base), workload, torch.device("cpu")) for kind in kinds]
     for _ in range(args.warmup):  # (compiles on the first)
         for contender in copies:
             contender.step()
@@ -235,6 +239,7 @@ def _valgrind_command(args: argparse.Namespace, out_file: str, manifest: str) ->
     child = [sys.executable, os.path.abspath(__file__), "--manifest", manifest, "--workload", args.workload,
              "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
              "--flush-every", str(args.flush_every)] + (["--compiled"] if args.compiled else [])  # fmt: skip
+    child += ["--judged"] if args.judged else []
     return command + child
 
 
@@ -298,6 +303,8 @@ def main() -> None:
     parser.add_argument("--workload", default="mlp", help="mlp (8x512), transformer (4 layers) or resnet (the CNN)")
     parser.add_argument("--batch", type=int, default=16, help="small: GEMMs run ~500x slower under valgrind")
     parser.add_argument("--compiled", action="store_true", help="every copy through torch.compile (inductor)")
+    parser.add_argument("--judged", action="store_true",
+                        help="the floor judged at every step (contenders.JudgedReadFloor; eager only)")
     parser.add_argument("--steps", type=int, default=4, help="unsampled steps counted per copy")
     parser.add_argument("--warmup", type=int, default=3, help="steps of each copy before the flush that starts the window")
     parser.add_argument("--flush-every", type=int, default=50)
@@ -307,6 +314,8 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--manifest", help=argparse.SUPPRESS)  # (the child's: where it lists its dumps)
     args = parser.parse_args()
+    if args.judged and args.compiled:
+        parser.error("--judged takes the eager floor judged at every step (there is no compiled one): drop --compiled")
     if os.environ.get(_CHILD):
         run_child(args)
         return

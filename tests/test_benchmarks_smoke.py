@@ -509,7 +509,8 @@ def test_instruction_counts_are_averaged_per_copy_and_phase_in_the_order_the_dum
         I.parse_dump(str(tmp_path / "empty.1"))
 
 
-def test_instructions_child_counts_each_copy_s_unsampled_steps_phase_by_phase(tmp_path, monkeypatch):
+@pytest.mark.parametrize("judged", [False, True])
+def test_instructions_child_counts_each_copy_s_unsampled_steps_phase_by_phase(tmp_path, monkeypatch, judged):
     """Run natively, where callgrind's toggles are no-ops: the labels the parent pairs with the dumps."""
     import argparse
 
@@ -520,7 +521,11 @@ def test_instructions_child_counts_each_copy_s_unsampled_steps_phase_by_phase(tm
     monkeypatch.delenv(I._CHILD, raising=False)
     manifest = tmp_path / "manifest.json"
     args = argparse.Namespace(workload="mlp", batch=2, compiled=False, steps=2, warmup=1, flush_every=8,
-                              manifest=str(manifest))  # fmt: skip
+                              manifest=str(manifest), judged=judged)  # fmt: skip
+    floors = []  # the floor the child made: the judged one where asked
+    made_floor = C.JudgedReadFloor.after_backward if judged else C.ContractReadFloor.after_backward
+    monkeypatch.setattr(C.JudgedReadFloor if judged else C.ContractReadFloor, "after_backward",
+                        lambda self: (floors.append(type(self)), made_floor(self))[1])  # fmt: skip
     threads = torch.get_num_threads()
     try:
         I.run_child(args)
@@ -531,3 +536,4 @@ def test_instructions_child_counts_each_copy_s_unsampled_steps_phase_by_phase(tm
     assert made["counted_slots"] and all(not sampled[s] and s != 7 for s in made["counted_slots"])
     expected = [[c, p] for _ in made["counted_slots"] for c in I.COPIES for p in I.PHASES]
     assert made["labels"] == expected
+    assert floors and all(issubclass(kind, C.JudgedReadFloor) == judged for kind in floors)
