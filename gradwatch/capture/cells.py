@@ -280,8 +280,7 @@ class Cells:
                 grad_row=_alias(cells.backward, start, start + ROW_COUNTS + int(unit_count[i])),
             )
             self.taps.append(tap)
-            self.flags.taps_at[tap.forward_cells.data_ptr()] = tap
-            self.flags.taps_at[tap.grad_tap.grad_row.data_ptr()] = tap
+            self.flags.taps_at[tap.grad_tap.grad_row.data_ptr()] = tap  # (how the ops find it: host_branch)
 
     def release(self) -> None:
         """close(): the devices' tap states leave :data:`TAP_STATES` (compiled code still holding

@@ -44,7 +44,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import _compat
-from .cells import add_recorded_output
 from .grad_statistics import GradStatistics
 
 if TYPE_CHECKING:
@@ -113,39 +112,37 @@ def _add_output_grad(grad: torch.Tensor, row: torch.Tensor, weights: torch.Tenso
         stats.add_to_cells(grad, weights, row, fast=stats.float32_rows(grad))
 
 
-def _mark_output(output: torch.Tensor, cells: torch.Tensor, clock: torch.Tensor, tick: float, flags_key: int,
+def _mark_output(output: torch.Tensor, row: torch.Tensor, clock: torch.Tensor, tick: float, flags_key: int,
                  statistics: bool) -> None:  # fmt: skip
-    """On sampled steps, one output of a layer. Where ``cells`` (its forward cells) lead to its tap,
-    what the layer's eager tap records of it, by the same code (``OutputTap.record_sampled_call``: its
-    forward order on the host, its output statistics at its precision of the window): this runs on
-    the host in the order of the compiled calls. Else (a copy of the cells) ``cells.add_recorded_output``
-    in float64 and the device clock, which eager taps then read (``OutputTap._mark_order``).
-    Nothing on the others."""
+    """On sampled steps, one output of a layer: what the layer's eager tap records of it, by the same
+    code (``OutputTap.record_sampled_call``: its forward order on the host, its output statistics at
+    its precision of the window), on the host in the order of the compiled calls. The tap is found
+    by ``row``, its backward row (``_tap_at``), which the op only reads: an operand an op writes is
+    handed over as a copy where the graph is functionalized (``aot_eager``), one it only reads is
+    not, and the row is an input of the compiled call anyway (the backward op writes it). What the
+    op declares written, so that it stays in the graph, is ``clock``, the one every layer of the
+    device shares: the forward cells are no input of the compiled forward (each graph input costs
+    ~9.4 K instructions a call on the host: benchmarks/RESULTS.md, forty-third session). ``tick``
+    and ``statistics`` are the layer's facts, unused here (the tap holds them). Nothing where no
+    tap of a living monitor holds ``row``, nor on unsampled steps."""
     if not GATE[flags_key]:
         return
-    flags = _FLAGS.get(flags_key)
-    tap = _tap_at(flags, cells)
+    tap = _tap_at(_FLAGS.get(flags_key), row)
     if tap is not None:
         tap.record_sampled_call(output)
-        return
-    if flags is not None:
-        flags.compiled_marks += 1  # eager taps after it read the clock on the device (``OutputTap._mark_order``)
-    with torch.no_grad():
-        add_recorded_output(output, cells, clock, tick, statistics)
 
 
-def _tap_at(flags: "RecordingFlags | None", cells: torch.Tensor) -> "OutputTap | None":
-    """The tap of ``flags`` (an op's monitor, None once collected) whose forward cells or backward row
-    ``cells`` is (by address: ``RecordingFlags.taps_at``), or None (none: a copy of the cells, or the
-    monitor closed). Compiled code hands the ops tensors, not the tap: a per-layer constant would
-    make each block of a regionally compiled model a graph of its own. The precision a tap chose for
-    the window is host state that changes at flushes, which a graph must not guard on. Unsampled
-    steps never get here.
+def _tap_at(flags: "RecordingFlags | None", row: torch.Tensor) -> "OutputTap | None":
+    """The tap of ``flags`` (an op's monitor, None once collected) whose backward row ``row`` is (by
+    address: ``RecordingFlags.taps_at``), or None (none: a copy of the row, or the monitor closed).
+    Compiled code hands the ops tensors, not the tap: a per-layer constant would make each block of
+    a regionally compiled model a graph of its own. The precision a tap chose for the window is host
+    state that changes at flushes, which a graph must not guard on. Unsampled steps never get here.
 
     Measured on the compiled MLP 8x512: with float64 reductions on every window, the ops' sampled
     steps copied each 256x512 output and gradient to float64 (~165 and ~80 us a layer), 2.3 ms of
     copies a sampled step (benchmarks/RESULTS.md, thirty-fourth session)."""
-    return flags.taps_at.get(cells.data_ptr()) if flags is not None else None
+    return flags.taps_at.get(row.data_ptr()) if flags is not None else None
 
 
 def _returns_nothing(*args: object) -> None:
@@ -158,7 +155,7 @@ def _returns_nothing(*args: object) -> None:
 _SCHEMAS = {
     "add_output_grad": ("(Tensor grad, Tensor(a!) row, Tensor weights, int flags_key, int unit_count,"
                         " bool channel_first, bool unit_sums) -> ()", _add_output_grad),
-    "mark_output": ("(Tensor output, Tensor(a!) cells, Tensor(b!) clock, float tick, int flags_key,"
+    "mark_output": ("(Tensor output, Tensor row, Tensor(a!) clock, float tick, int flags_key,"
                     " bool statistics) -> ()", _mark_output),
 }  # fmt: skip
 
@@ -168,8 +165,9 @@ _SCHEMAS = {
 #: calling convention takes a new overload name: ``default`` went through the dispatcher, ``direct``
 #: called the kernels at every step, ``gated`` calls them behind :data:`GATE` (code cached by this
 #: gradwatch names the gate, which an older one lacks: it must not be served to one); ``gated_row``
-#: takes each layer's backward cells and dead-unit evidence as one row (``cells.DeviceCells.backward``).
-OVERLOAD = "gated_row"
+#: takes each layer's backward cells and dead-unit evidence as one row (``cells.DeviceCells.backward``);
+#: ``row_keyed``: ``mark_output`` finds its tap by that row, read only, and writes no forward cells.
+OVERLOAD = "row_keyed"
 #: the ops as inductor's wrapper names them
 _OP_NAMES = tuple(f"torch.ops.gradwatch.{name}.{OVERLOAD}" for name in _SCHEMAS)
 
@@ -204,10 +202,9 @@ def _define_ops() -> "torch.library.Library | None":
 
 _LIBRARY = _define_ops()  # kept: the registrations live as long as this object
 #: whether compiled taps record their sampled statistics through these ops (else at every step,
-#: masked). Also whether every compiled call that counts the forward clock down tells the host
-#: (``mark_output`` counts it in ``RecordingFlags.compiled_marks`` where it is handed a copy of the
-#: cells; handed its tap's own, it orders the call on the host as an eager tap does), unless the
-#: step is traced whole (``detail="full"`` records in the graph): eager taps read it for their order mark.
+#: masked). Also whether compiled calls order themselves on the host (``mark_output`` finds its tap
+#: and marks its order as an eager tap does), unless the step is traced whole (``detail="full"``
+#: records in the graph and counts the device clock down): eager taps read the host order then.
 IN_USE = _LIBRARY is not None and _compat.OPS_IN_HOOKS
 add_output_grad = _op("add_output_grad") if _LIBRARY is not None else None
 mark_output = _op("mark_output") if _LIBRARY is not None else None

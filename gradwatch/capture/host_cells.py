@@ -7,16 +7,17 @@ call (an ``add_`` of a Python number; ~20 ops per sampled step of a 9-layer MLP)
 numpy counts, written at no device cost and added into the step's row by ``step()`` with a few
 ops whatever the number of layers (none on the CPU path, whose buffer is host memory).
 Compiled calls count here too where their sampled statistics go through the opaque ops
-(``host_branch.py``): the ops' kernels run on the host at every sampled call, and where they are
-handed a tap's own cells they record by the eager tap's code. Traced recording (``detail="full"``,
-the masked path) and an op handed a copy of the cells keep device cells; the two add up in the row.
+(``host_branch.py``): the ops' kernels run on the host at every sampled call and record by the
+eager tap's code (the backward op, handed a copy of its row, in the copy). Traced recording
+(``detail="full"``, the masked path) and a backward op handed a copy keep device cells; the two add
+up in the row.
 
 The forward order is the one value eager and compiled taps must agree on: it is the device
 clock (``taps.DeviceCells.clock``), which each *compiled* call whose Python does not run at
-run time (traced recording, an op handed a copy of the cells) counts down by ``tick``, read
-by an eager tap at its first call of the step (one op, no decrement; none while no compiled call
-has counted it down in the step, as the op that marks compiled calls tells the host: the clock is
-then at its start, and the host adds that value itself), plus a host part that
+run time (traced recording: ``detail="full"``, the masked path) counts down by ``tick``, read
+by an eager tap at its first call of the step (one op, no decrement; none where the opaque op
+orders compiled calls on the host: the clock is then at its start, and the host adds that value
+itself), plus a host part that
 orders the eager layers between two compiled calls (:meth:`HostCells.next_order`): ``tick - 1``
 for the first of them, one less for each after it. A larger value is an earlier call, so an
 eager layer run before a compiled call sorts before it, one run after it sorts after it, and

@@ -161,7 +161,7 @@ class Recorder:
         finally:
             if self.per_step_rows is not None:  # to the host, and the forward sums zeroed where needed
                 self.per_step_rows.finish(slot, flags.forward_writes == self._forward_checks, self._unwritten)
-            flags.forward_writes = flags.compiled_marks = 0
+            flags.forward_writes = 0
             if sampled:
                 for cells in self.cells.devices:
                     cells.reset_step()
@@ -186,7 +186,7 @@ class Recorder:
         if self.per_step_rows is not None:
             self.per_step_rows.forget()
         self.cells.host.clear()
-        self.flags.forward_writes = self.flags.compiled_marks = 0
+        self.flags.forward_writes = 0
         self.flags.step += 1  # the taps' next calls are their first since the cells were zeroed
 
     def mark_window_failed(self) -> None:

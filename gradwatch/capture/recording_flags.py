@@ -51,15 +51,10 @@ class RecordingFlags:
         #: host count, zeroed at every step): where every layer's did, no cell holds an older step's
         #: sum, and the per-step stage can skip zeroing them (``per_step_rows.py``).
         self.forward_writes = 0
-        #: Compiled calls that counted the forward clock down at this step, as the opaque op that marks
-        #: them tells the host (``host_branch.mark_output`` handed a copy of the cells; handed its
-        #: tap's own, it orders the call on the host instead; zeroed at every step). While none has,
-        #: the clock is at its start, which an eager tap's order can say without a device op.
-        self.compiled_marks = 0
         #: Some tap failed since the last step (its ``failure`` says how); reported at step(), not in the hook.
         self.failed = False
-        #: address (``data_ptr``) of a tap's forward cells or backward row -> the tap: how the opaque
-        #: ops' kernels, handed the cells, reach the layer's precision of the window (``host_branch``)
+        #: address (``data_ptr``) of a tap's backward row -> the tap: how the opaque ops' kernels,
+        #: handed the row, reach the layer's precision of the window (``host_branch``)
         self.taps_at: dict[int, "OutputTap"] = {}
 
     def close(self) -> None:

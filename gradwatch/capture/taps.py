@@ -214,9 +214,10 @@ class OutputTap(InertWhenCopied):
     def _mark_order(self) -> None:
         """Forward order (eager): at the layer's first call of the step, the device clock (which
         compiled calls count down) and the host's place among the eager calls since the last compiled
-        one (``host_cells.py``); one op, none where no compiled call has counted the clock down yet
-        in this step (the host knows: ``RecordingFlags.compiled_marks``; its start is then the
-        clock's value, added on the host). Float32 cells: the clock alone, counted down by every call."""
+        one (``host_cells.py``); one op where compiled calls count the clock down (a step traced whole,
+        ``detail="full"``, or the masked path), none where they order themselves on the host
+        (``host_branch.mark_output``: the clock is then at its start, added on the host). Float32
+        cells: the clock alone, counted down by every call."""
         shared = self.shared
         if not shared.host_order:
             advance_clock(self.first_call, shared.clock, shared.clock_tick)
@@ -225,7 +226,7 @@ class OutputTap(InertWhenCopied):
         if self.ordered_at != flags.step:
             self.ordered_at = flags.step
             host = self.host
-            if flags.compiled_marks or not host_branch.IN_USE or flags.every_step:
+            if not host_branch.IN_USE or flags.every_step:
                 self.first_call.clamp_min_(shared.clock)  # compiled calls may have moved the clock
                 host.order[self.index] = host.next_order()
             else:  # no compiled call marked its order before this one: the clock is at its start

@@ -34,17 +34,16 @@ def record_output(tap: "OutputTap", out: torch.Tensor, checked: bool, shared: De
     if out.device != tap.forward_sum.device:  # (the cell's device: a guarded tensor, no attribute of its own)
         return  # a replica on another device (nn.DataParallel): its cells are not there
     local = out if type(out) is torch.Tensor else local_tensor(out)  # no call traced for plain tensors
-    cells = tap.forward_cells  # [first call | output elements | output statistics]
     with torch.no_grad():
         if not checked:
             tap.forward_sum.add_(forward_sum(local))
-        if shared.flags.every_step:
-            add_recorded_output(local, cells, shared.clock, shared.clock_tick, tap.records_outputs)
-        elif host_branch.IN_USE:
-            host_branch.mark_output(local, cells, shared.clock, shared.clock_tick, shared.flags.key,
+        if shared.flags.every_step:  # (tap.forward_cells: [first call | output elements | output statistics])
+            add_recorded_output(local, tap.forward_cells, shared.clock, shared.clock_tick, tap.records_outputs)
+        elif host_branch.IN_USE:  # (its tap found by its backward row: no forward cells in the graph)
+            host_branch.mark_output(local, tap.grad_tap.grad_row, shared.clock, shared.clock_tick, shared.flags.key,
                                     tap.records_outputs)  # fmt: skip
         else:
-            _record_masked(tap, local, cells, shared)
+            _record_masked(tap, local, tap.forward_cells, shared)
     if out.requires_grad and not shared.flags.grads_through_function:
         out.register_hook(tap.on_traced_output_grad)
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from gradwatch import GradMonitor, registry
 from gradwatch.capture import cpu_rows, host_branch
+from gradwatch.capture.cells import add_recorded_output
 from gradwatch.capture.grad_statistics import GradStatistics
 from gradwatch.capture.recording_flags import RecordingFlags
 from gradwatch.registry import outputs
@@ -120,7 +121,9 @@ def test_only_float32_cpu_tensors_outside_compiled_code_take_the_rows():
 def test_the_compiled_taps_ops_write_exact_statistics_of_tiny_channels_last_gradients_on_sampled_steps_only():
     # What compiled taps' sampled steps run (host_branch's kernels, eagerly at run time): a
     # gradient of ~1e-25 in inductor's channels-last layout, one channel dead, against float64,
-    # written into the cells they are handed; on an unsampled step they write nothing.
+    # written into the backward row they are handed (no tap's: as aot_eager hands a copy), and the
+    # forward statistics a compiled step traced whole writes into its cells (cells.add_recorded_output);
+    # the forward op, handed a row no tap holds, records nothing; on an unsampled step they write nothing.
     if host_branch.add_output_grad is None:
         pytest.skip("the ops need torch.library.register_fake (torch >= 2.4)")
     flags = RecordingFlags()
@@ -138,7 +141,9 @@ def test_the_compiled_taps_ops_write_exact_statistics_of_tiny_channels_last_grad
     assert units[3] == 0 and (units[torch.arange(16) != 3] > 0).all()
     forward = torch.zeros(2 + outputs.declared_accumulators(), dtype=torch.float64)
     clock = torch.full((1,), 7.0, dtype=torch.float64)
-    host_branch.mark_output(g, forward, clock, 2.0, flags.key, True)
+    host_branch.mark_output(g, row, clock, 2.0, flags.key, True)  # (no tap holds the row)
+    assert not forward.any() and clock.tolist() == [7.0]
+    add_recorded_output(g, forward, clock, 2.0, True)
     assert forward[0] == 7.0 and clock.tolist() == [5.0]  # its first call's clock, then counted down
     assert forward[1] == g.numel()
     assert forward[2] == pytest.approx(float(rows.sum()), rel=1e-12)  # act_rms's sum of squares
@@ -146,7 +151,7 @@ def test_the_compiled_taps_ops_write_exact_statistics_of_tiny_channels_last_grad
     flags.sampling = False
     written = [t.clone() for t in (grad_cells, units, forward, clock)]
     host_branch.add_output_grad(g, row, weights, flags.key, 16, True, False)
-    host_branch.mark_output(g, forward, clock, 2.0, flags.key, True)
+    host_branch.mark_output(g, row, clock, 2.0, flags.key, True)
     for before, after in zip(written, (grad_cells, units, forward, clock)):
         assert torch.equal(before, after)  # unsampled: nothing computed, nothing written
 

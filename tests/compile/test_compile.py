@@ -233,16 +233,18 @@ class _Float64Reads(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def test_the_sampled_step_ops_record_as_the_layer_s_eager_tap_by_its_code_and_a_copy_of_the_cells_in_float64():
+def test_the_sampled_step_ops_record_as_the_layer_s_eager_tap_by_its_code_and_a_copy_of_the_row_in_float64():
     # The ops that record compiled sampled steps (capture/host_branch.py) run on the host, called by
-    # inductor's wrapper with the layer's own cells. Found by its cells, the layer's tap records the
+    # inductor's wrapper with the layer's own backward row. Found by that row, the layer's tap records the
     # call by its eager code: after a window whose magnitudes were far from float32's limits it
     # reduces in float32 (registry.outputs.float32_is_exact, GradStatistics.float32_rows; the ops
     # once did so in float64 in every window: 2.3 ms a sampled step of the compiled MLP 8x512), and
     # counts the calls, samples and elements on the host (host_cells.py) instead of adding each into
-    # a device cell. Handed a copy of the cells (as aot_eager does), the ops add everything into it in
-    # float64. What they record equals a float64 reference either way. That inductor hands them the
-    # cells themselves is tested on the inductor-compiled conv net below.
+    # a device cell. The backward op, handed a copy of its row (as aot_eager does with what an op
+    # writes), adds everything into it in float64; the forward op only reads the row (aot_eager hands
+    # it the row itself) and, handed a row no tap holds, records nothing. What they record equals a
+    # float64 reference. That inductor hands them the rows themselves is tested on the
+    # inductor-compiled conv net below.
     from gradwatch.capture import host_branch
     from gradwatch.registry import outputs
 
@@ -259,13 +261,14 @@ def test_the_sampled_step_ops_record_as_the_layer_s_eager_tap_by_its_code_and_a_
     out = torch.relu(torch.randn(64, 32))
     g = torch.randn(64, 32)
 
-    def mark(target: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, int]:
-        before, counted, reads = target.clone(), host.values.copy(), _Float64Reads()
+    def mark(row: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, int]:
+        cells = tap.forward_cells  # (where the tap writes its output statistics)
+        before, counted, reads = cells.clone(), host.values.copy(), _Float64Reads()
         clock = float(shared.clock)
         with reads:
-            host_branch._mark_output(out, target, shared.clock, shared.clock_tick, flags.key, True)
+            host_branch._mark_output(out, row, shared.clock, shared.clock_tick, flags.key, True)
         ticks.append((clock - float(shared.clock)) / shared.clock_tick)
-        return target - before, host.values - counted, reads.count
+        return cells - before, host.values - counted, reads.count
 
     def add_grad(target: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, int]:
         before, counted, reads = target.clone(), host.values.copy(), _Float64Reads()
@@ -276,14 +279,14 @@ def test_the_sampled_step_ops_record_as_the_layer_s_eager_tap_by_its_code_and_a_
     want_sq, want_grad_sq = float(out.double().square().sum()), float(g.double().square().sum())
     order, calls, samples, elements = range(4)  # HostCells.values' rows
     ticks: list[float] = []  # how far each mark counted the device clock down
-    for own in (True, False):
-        target = tap.forward_cells if own else tap.forward_cells.clone()
-        added, counted, reads = mark(target)
-        assert (reads > 0) == (not own)
-        assert float(added[2]) == pytest.approx(want_sq, rel=1e-6) and added[3] == int((out != 0).sum())
-        # the elements (and the order) on the host for the tap's own cells, in the copy otherwise
-        assert (counted[elements, 0], float(added[1])) == ((out.numel(), 0.0) if own else (0.0, out.numel()))
-        assert (counted[order, 0] > 0, ticks[-1]) == ((True, 0.0) if own else (False, 1.0))  # host order, or the clock
+    added, counted, reads = mark(tap.grad_tap.grad_row)
+    assert reads == 0  # (a float32 window)
+    assert float(added[2]) == pytest.approx(want_sq, rel=1e-6) and added[3] == int((out != 0).sum())
+    # the elements and the order on the host; the device clock untouched
+    assert (counted[elements, 0], float(added[1])) == (out.numel(), 0.0)
+    assert (counted[order, 0] > 0, ticks[-1]) == (True, 0.0)
+    added, counted, reads = mark(tap.grad_tap.grad_row.clone())  # a row no tap holds: nothing
+    assert not added.any() and not counted.any() and ticks[-1] == 0.0
     for own in (True, False):
         target = tap.grad_tap.grad_row if own else tap.grad_tap.grad_row.clone()
         added, counted, reads = add_grad(target)
@@ -293,7 +296,7 @@ def test_the_sampled_step_ops_record_as_the_layer_s_eager_tap_by_its_code_and_a_
         assert counts == [1.0, 64.0]  # a call, its samples
         assert not (added[1:3].any() if own else counted.any())
     tap.exact_outputs, tap.grad_stats.float32 = True, False  # a window near float32's limits: float64
-    assert mark(tap.forward_cells)[2] > 0 and add_grad(tap.grad_tap.grad_row)[2] > 0
+    assert mark(tap.grad_tap.grad_row)[2] > 0 and add_grad(tap.grad_tap.grad_row)[2] > 0
     monitor.close()
 
 
@@ -314,7 +317,8 @@ def test_a_failure_inside_the_sampled_step_ops_is_said_at_step_not_raised_into_c
     monkeypatch.setattr(registry, "accumulate_all", broken)
     monkeypatch.setattr(grad_statistics.GradStatistics, "record", broken)
     with caplog.at_level(logging.WARNING, logger="gradwatch"):
-        host_branch._mark_output(torch.randn(8, 32), tap.forward_cells, shared.clock, shared.clock_tick, flags.key, True)
+        host_branch._mark_output(torch.randn(8, 32), tap.grad_tap.grad_row, shared.clock, shared.clock_tick, flags.key,
+                                 True)  # fmt: skip
         host_branch._add_output_grad(torch.randn(8, 32), tap.grad_tap.grad_row, shared.weights, flags.key, 32, False,
                                      False)  # fmt: skip
         model(torch.randn(8, 16)).square().mean().backward()  # (eager: its sampled step fails the same way)
@@ -349,6 +353,34 @@ def _wrapper_calls(model: nn.Module, monitored: bool) -> dict[str, int]:
     forward = code[0][code[0].index("def call("):]
     forward = forward[: forward.index("\nrunner = ")] if "\nrunner = " in forward else forward
     return {name: forward.count(f"{name}(") for name in ("reinterpret_tensor", "empty_strided_cpu")}
+
+
+def test_the_compiled_forward_takes_no_forward_cells_where_the_sampled_step_ops_record():
+    # Each graph input costs the compiled call ~9.4 K instructions a step on the host (its size
+    # assert, its guards, AOTAutograd's wrappers; benchmarks/instructions.py, RESULTS forty-third
+    # session). The forward op finds its tap by the layer's backward row, which it only reads and the
+    # compiled call takes anyway, so the layers' forward cells are no input of the compiled forward.
+    from gradwatch.capture import host_branch
+
+    if not host_branch.IN_USE:
+        pytest.skip("the sampled steps' ops are not in use on this torch")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    monitor = GradMonitor(model, flush_every=4)
+    taps = monitor._stages.pipeline.recorder.cells.taps
+    inputs: list[int] = []
+
+    def backend(gm, example_inputs):  # what dynamo hands the compiler: the graph's real inputs
+        inputs.extend(t.data_ptr() for t in example_inputs if isinstance(t, torch.Tensor))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    compiled(torch.randn(8, 16)).square().mean().backward()
+    monitor.step()
+    assert {tap.grad_tap.grad_row.data_ptr() for tap in taps} <= set(inputs)  # (the op's key: read)
+    assert not {tap.forward_cells.data_ptr() for tap in taps} & set(inputs)
+    monitor.close()
 
 
 def test_the_compiled_forward_s_wrapper_makes_no_more_buffer_calls_than_the_model_s_own():
