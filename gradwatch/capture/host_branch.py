@@ -112,8 +112,7 @@ def _add_output_grad(grad: torch.Tensor, row: torch.Tensor, weights: torch.Tenso
         stats.add_to_cells(grad, weights, row, fast=stats.float32_rows(grad))
 
 
-def _mark_output(output: torch.Tensor, row: torch.Tensor, clock: torch.Tensor, tick: float, flags_key: int,
-                 statistics: bool) -> None:  # fmt: skip
+def _mark_output(output: torch.Tensor, row: torch.Tensor, clock: torch.Tensor, flags_key: int) -> None:
     """On sampled steps, one output of a layer: what the layer's eager tap records of it, by the same
     code (``OutputTap.record_sampled_call``: its forward order on the host, its output statistics at
     its precision of the window), on the host in the order of the compiled calls. The tap is found
@@ -122,9 +121,9 @@ def _mark_output(output: torch.Tensor, row: torch.Tensor, clock: torch.Tensor, t
     not, and the row is an input of the compiled call anyway (the backward op writes it). What the
     op declares written, so that it stays in the graph, is ``clock``, the one every layer of the
     device shares: the forward cells are no input of the compiled forward (each graph input costs
-    ~9.4 K instructions a call on the host: benchmarks/RESULTS.md, forty-third session). ``tick``
-    and ``statistics`` are the layer's facts, unused here (the tap holds them). Nothing where no
-    tap of a living monitor holds ``row``, nor on unsampled steps."""
+    ~9.4 K instructions a call on the host: benchmarks/RESULTS.md, forty-third session). The
+    layer's facts (whether it records output statistics, its precision) are the tap's. Nothing where
+    no tap of a living monitor holds ``row``, nor on unsampled steps."""
     if not GATE[flags_key]:
         return
     tap = _tap_at(_FLAGS.get(flags_key), row)
@@ -155,8 +154,7 @@ def _returns_nothing(*args: object) -> None:
 _SCHEMAS = {
     "add_output_grad": ("(Tensor grad, Tensor(a!) row, Tensor weights, int flags_key, int unit_count,"
                         " bool channel_first, bool unit_sums) -> ()", _add_output_grad),
-    "mark_output": ("(Tensor output, Tensor row, Tensor(a!) clock, float tick, int flags_key,"
-                    " bool statistics) -> ()", _mark_output),
+    "mark_output": ("(Tensor output, Tensor row, Tensor(a!) clock, int flags_key) -> ()", _mark_output),
 }  # fmt: skip
 
 

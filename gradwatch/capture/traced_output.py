@@ -40,8 +40,7 @@ def record_output(tap: "OutputTap", out: torch.Tensor, checked: bool, shared: De
         if shared.flags.every_step:  # (tap.forward_cells: [first call | output elements | output statistics])
             add_recorded_output(local, tap.forward_cells, shared.clock, shared.clock_tick, tap.records_outputs)
         elif host_branch.IN_USE:  # (its tap found by its backward row: no forward cells in the graph)
-            host_branch.mark_output(local, tap.grad_tap.grad_row, shared.clock, shared.clock_tick, shared.flags.key,
-                                    tap.records_outputs)  # fmt: skip
+            host_branch.mark_output(local, tap.grad_tap.grad_row, shared.clock, shared.flags.key)
         else:
             _record_masked(tap, local, tap.forward_cells, shared)
     if out.requires_grad and not shared.flags.grads_through_function:

@@ -141,7 +141,7 @@ def test_the_compiled_taps_ops_write_exact_statistics_of_tiny_channels_last_grad
     assert units[3] == 0 and (units[torch.arange(16) != 3] > 0).all()
     forward = torch.zeros(2 + outputs.declared_accumulators(), dtype=torch.float64)
     clock = torch.full((1,), 7.0, dtype=torch.float64)
-    host_branch.mark_output(g, row, clock, 2.0, flags.key, True)  # (no tap holds the row)
+    host_branch.mark_output(g, row, clock, flags.key)  # (no tap holds the row)
     assert not forward.any() and clock.tolist() == [7.0]
     add_recorded_output(g, forward, clock, 2.0, True)
     assert forward[0] == 7.0 and clock.tolist() == [5.0]  # its first call's clock, then counted down
@@ -151,7 +151,7 @@ def test_the_compiled_taps_ops_write_exact_statistics_of_tiny_channels_last_grad
     flags.sampling = False
     written = [t.clone() for t in (grad_cells, units, forward, clock)]
     host_branch.add_output_grad(g, row, weights, flags.key, 16, True, False)
-    host_branch.mark_output(g, row, clock, 2.0, flags.key, True)
+    host_branch.mark_output(g, row, clock, flags.key)
     for before, after in zip(written, (grad_cells, units, forward, clock)):
         assert torch.equal(before, after)  # unsampled: nothing computed, nothing written
 

@@ -266,7 +266,7 @@ def test_the_sampled_step_ops_record_as_the_layer_s_eager_tap_by_its_code_and_a_
         before, counted, reads = cells.clone(), host.values.copy(), _Float64Reads()
         clock = float(shared.clock)
         with reads:
-            host_branch._mark_output(out, row, shared.clock, shared.clock_tick, flags.key, True)
+            host_branch._mark_output(out, row, shared.clock, flags.key)
         ticks.append((clock - float(shared.clock)) / shared.clock_tick)
         return cells - before, host.values - counted, reads.count
 
@@ -317,8 +317,7 @@ def test_a_failure_inside_the_sampled_step_ops_is_said_at_step_not_raised_into_c
     monkeypatch.setattr(registry, "accumulate_all", broken)
     monkeypatch.setattr(grad_statistics.GradStatistics, "record", broken)
     with caplog.at_level(logging.WARNING, logger="gradwatch"):
-        host_branch._mark_output(torch.randn(8, 32), tap.grad_tap.grad_row, shared.clock, shared.clock_tick, flags.key,
-                                 True)  # fmt: skip
+        host_branch._mark_output(torch.randn(8, 32), tap.grad_tap.grad_row, shared.clock, flags.key)
         host_branch._add_output_grad(torch.randn(8, 32), tap.grad_tap.grad_row, shared.weights, flags.key, 32, False,
                                      False)  # fmt: skip
         model(torch.randn(8, 16)).square().mean().backward()  # (eager: its sampled step fails the same way)
