@@ -151,11 +151,12 @@ class DeviceCells:
     #: statistics' K accumulators (the output elements first; registry/outputs.py), in the stat dtype
     forward: torch.Tensor
     #: per layer, one contiguous row: its output gradients' sum of squares, calls and samples, then
-    #: its per-unit evidence. One tensor per layer for its tap to read and its op to write
-    #: (``host_branch.add_output_grad``, which slices it): each tensor a compiled tap reads is a
-    #: graph input, a tensor AOTAutograd saves for the backward, and a fake tensor with guards while
-    #: dynamo traces (benchmarks/RESULTS.md, twenty-third session). (Two aliases of one storage handed
-    #: to one op made inductor copy it at every call: one row, sliced inside, is not that.)
+    #: its per-unit evidence. One tensor per layer for its tap to read (``detail="full"``, the masked
+    #: path) and to key its ops by (a zero-size view of it: ``grad_tap.row_key_of``): each tensor a
+    #: compiled tap reads is a graph input, a tensor AOTAutograd saves for the backward, and a fake
+    #: tensor with guards while dynamo traces (benchmarks/RESULTS.md, twenty-third session). (Two
+    #: aliases of one storage handed to one op made inductor copy it at every call: one row, sliced
+    #: inside, is not that.)
     backward: torch.Tensor
     #: [3n] where the layers' sums of squares, calls and samples are in ``backward`` (in that
     #: order, then layer order: ``grad_counts``)
@@ -280,7 +281,7 @@ class Cells:
                 grad_row=_alias(cells.backward, start, start + ROW_COUNTS + int(unit_count[i])),
             )
             self.taps.append(tap)
-            self.flags.taps_at[tap.grad_tap.grad_row.data_ptr()] = tap  # (how the ops find it: host_branch)
+            self.flags.taps_at[host_branch.storage_place(tap.grad_tap.row_key)] = tap  # (how the ops find it: host_branch)
 
     def release(self) -> None:
         """close(): the devices' tap states leave :data:`TAP_STATES` (compiled code still holding

@@ -34,6 +34,18 @@ def masked(shared: "DeviceTapState", values: tuple) -> tuple:
     return tuple(torch.where(shared.sampled, value, 0.0) for value in values)
 
 
+def row_key_of(grad_row: torch.Tensor) -> torch.Tensor:
+    """A zero-size view of ``grad_row`` at its start: the key by which the opaque ops of
+    ``host_branch.py`` find a layer's tap (``RecordingFlags.taps_at``: by storage and offset). Compiled
+    code hands the ops tensors (a per-layer constant would make each block of a regionally compiled
+    model a graph of its own), and every tensor a graph takes with elements is checked at every call
+    by inductor's ``assert_size_stride`` (~4.1 K instructions with torch 2.13's stringstream), while
+    one with no elements is not: handed the row itself, the compiled MLP's forward and backward
+    executed ~88 K instructions more a step (benchmarks/RESULTS.md, forty-fourth session). Detached
+    (``.data``): no base for dynamo to follow, a version counter of its own."""
+    return grad_row.data[0:0].data
+
+
 class GradTap:
     """What one layer records of its output gradients.
 
@@ -46,6 +58,8 @@ class GradTap:
         host: the host counts; ``index``: this layer's place in them.
         grad_row: the layer's backward cells, one tensor (what compiled code reads, sliced at offsets
             equal across layers): sum of squares, calls, samples, then its dead-unit evidence.
+            Its zero-size view at its start, :attr:`row_key`, is what the opaque ops of
+            ``host_branch.py`` are handed to find this layer's tap (:func:`row_key_of`).
         failed: called with an exception raised inside the hook (reported at step()).
     """
 
@@ -54,6 +68,7 @@ class GradTap:
         self.grad_stats = grad_stats
         self.host, self.index = host, index
         self.grad_row = grad_row
+        self.row_key = row_key_of(grad_row)
         # The same cells as the one-op writes' shapes (eager): the sum of squares 0-d, the units a row.
         self.step_sq = grad_row.data[0:1].view(())
         self.unit_row = grad_row.data[ROW_COUNTS:].view(1, grad_row.numel() - ROW_COUNTS)
@@ -100,9 +115,8 @@ class GradTap:
         stats, row, weights = self.grad_stats, self.grad_row, shared.weights
         if shared.flags.every_step:
             stats.add_to_cells(g, weights, row)
-        elif host_branch.IN_USE:
-            host_branch.add_output_grad(g, row, weights, shared.flags.key, stats.units, stats.channel_first,
-                                        stats.unit_sums)  # fmt: skip
+        elif host_branch.IN_USE:  # (its tap found by the row's zero-size view: no row in the graph)
+            host_branch.add_output_grad(g, self.row_key, shared.flags.key)
         else:
             count = shared.sampled_count
             row[1:2].add_(count)

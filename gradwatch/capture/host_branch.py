@@ -6,11 +6,14 @@ Python flag dynamo guards on doubles every compiled model's graphs: ``taps.py``)
 one op of this module (forward: ``mark_output``; backward: ``add_output_grad``) that, when it runs,
 reads its monitor's ``RecordingFlags.sampling`` (its copy in :data:`GATE`, a Python bool on the
 host: no device read) and on
-sampled steps computes the statistics eagerly (the functions eager taps use: exact at any layout
-and magnitude, ``cpu_rows.py`` on the CPU) straight into the cells it is handed; on the others it
-returns at once. In the graph each is one call of a mutating custom op: inductor hands it the
-operand in whatever layout it chose (``flexible_layout``: a channels-last convolution output too),
-compiles no code for the statistics, and the graph stays cacheable. Inductor's Python wrapper calls
+sampled steps has the layer's tap record the operand eagerly (the code eager taps run: exact at any
+layout and magnitude, ``cpu_rows.py`` on the CPU) into its own cells, which are not in the graph;
+on the others it returns at once. The op finds the tap by a zero-size view of the layer's backward
+row (``grad_tap.row_key_of``: a graph input that inductor does not check at every call, as it checks
+every input with elements). In the graph each is one call of a custom op that inductor keeps
+(side effects declared, or a write to the device's shared clock: :func:`_mark_output`): inductor
+hands it the operand in whatever layout it chose (``flexible_layout``: a channels-last convolution
+output too), compiles no code for the statistics, and the graph stays cacheable. Inductor's Python wrapper calls
 the op's Python kernel itself, not through the dispatcher (``_compat/inductor.py``: ~16 us a call
 in context against 70-90), and only where the monitor's entry in :data:`GATE` (a dict subscript in
 the wrapper) says the step is sampled: an unsampled step of compiled code calls no Python function
@@ -44,7 +47,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import _compat
-from .grad_statistics import GradStatistics
 
 if TYPE_CHECKING:
     from .recording_flags import RecordingFlags
@@ -92,48 +94,47 @@ def follow_sampling(key: int, flags: "RecordingFlags") -> None:
         GATE[key] = flags.sampling
 
 
-def _add_output_grad(grad: torch.Tensor, row: torch.Tensor, weights: torch.Tensor, flags_key: int, unit_count: int,
-                     channel_first: bool, unit_sums: bool) -> None:  # fmt: skip
-    """On sampled steps, one output gradient of a layer. Where ``row`` (its backward cells: sum of
-    squares, calls, samples, then its dead-unit evidence) leads to its tap (``_tap_at``), what the
-    layer's eager tap records of it, by the same code (``GradTap.on_output_grad``: its precision of the
-    window, the counts on the host, the cells written at the step's first call). Else (a copy of the
-    cells) ``GradStatistics.add_to_cells`` into ``row``, with a statistics object made of the layer's
-    facts, which are arguments (equal across layers of the same shape). Nothing on the others."""
+def _add_output_grad(grad: torch.Tensor, row_key: torch.Tensor, flags_key: int) -> None:
+    """On sampled steps, one output gradient of a layer: what the layer's eager tap records of it, by
+    the same code (``GradTap.on_output_grad``: its precision of the window, the counts on the host,
+    its backward row written at the step's first call), the tap found by ``row_key`` (``_tap_at``).
+    The op writes nothing the graph sees (the row is not in the graph): it stays there because it is
+    registered as having side effects (:func:`_define_ops`), and the key, only read, is handed over
+    as it is also where the graph is functionalized (``aot_eager`` copies what an op declares
+    written). Nothing where no tap of a living monitor is keyed so, nor on unsampled steps."""
     if not GATE[flags_key]:
         return
-    tap = _tap_at(_FLAGS.get(flags_key), row)
+    tap = _tap_at(_FLAGS.get(flags_key), row_key)
     if tap is not None:
         tap.grad_tap.on_output_grad(grad, tap.shared)  # (at run time: its eager path)
-        return
-    stats = GradStatistics(unit_count, channel_first, weights, row.dtype)
-    stats.unit_sums = unit_sums
-    with torch.no_grad():
-        stats.add_to_cells(grad, weights, row, fast=stats.float32_rows(grad))
 
 
-def _mark_output(output: torch.Tensor, row: torch.Tensor, clock: torch.Tensor, flags_key: int) -> None:
+def _mark_output(output: torch.Tensor, row_key: torch.Tensor, clock: torch.Tensor, flags_key: int) -> None:
     """On sampled steps, one output of a layer: what the layer's eager tap records of it, by the same
     code (``OutputTap.record_sampled_call``: its forward order on the host, its output statistics at
     its precision of the window), on the host in the order of the compiled calls. The tap is found
-    by ``row``, its backward row (``_tap_at``), which the op only reads: an operand an op writes is
-    handed over as a copy where the graph is functionalized (``aot_eager``), one it only reads is
-    not, and the row is an input of the compiled call anyway (the backward op writes it). What the
-    op declares written, so that it stays in the graph, is ``clock``, the one every layer of the
-    device shares: the forward cells are no input of the compiled forward (each graph input costs
-    ~9.4 K instructions a call on the host: benchmarks/RESULTS.md, forty-third session). The
-    layer's facts (whether it records output statistics, its precision) are the tap's. Nothing where
-    no tap of a living monitor holds ``row``, nor on unsampled steps."""
+    by ``row_key`` (``_tap_at``), which the op only reads. It declares ``clock`` written, the one
+    tensor every layer of the device shares: each call then depends on the one before, so that
+    inductor keeps them in the forward's order, which this op records (an op with no declared
+    write, like the backward's, stays in the graph but may be moved). The layer's facts (whether it
+    records output statistics, its precision) are the tap's. Nothing where no tap of a living
+    monitor is keyed so, nor on unsampled steps."""
     if not GATE[flags_key]:
         return
-    tap = _tap_at(_FLAGS.get(flags_key), row)
+    tap = _tap_at(_FLAGS.get(flags_key), row_key)
     if tap is not None:
         tap.record_sampled_call(output)
 
 
-def _tap_at(flags: "RecordingFlags | None", row: torch.Tensor) -> "OutputTap | None":
-    """The tap of ``flags`` (an op's monitor, None once collected) whose backward row ``row`` is (by
-    address: ``RecordingFlags.taps_at``), or None (none: a copy of the row, or the monitor closed).
+def storage_place(t: torch.Tensor) -> tuple[int, int]:
+    """Where ``t`` starts: its storage's address and its offset there (what keys a tap in
+    ``RecordingFlags.taps_at``; a tensor with no elements has no ``data_ptr``: 0)."""
+    return t.untyped_storage().data_ptr(), t.storage_offset()
+
+
+def _tap_at(flags: "RecordingFlags | None", row_key: torch.Tensor) -> "OutputTap | None":
+    """The tap of ``flags`` (an op's monitor, None once collected) whose backward row starts where
+    ``row_key`` does (``storage_place``: ``RecordingFlags.taps_at``), or None (the monitor closed).
     Compiled code hands the ops tensors, not the tap: a per-layer constant would make each block of
     a regionally compiled model a graph of its own. The precision a tap chose for the window is host
     state that changes at flushes, which a graph must not guard on. Unsampled steps never get here.
@@ -141,7 +142,7 @@ def _tap_at(flags: "RecordingFlags | None", row: torch.Tensor) -> "OutputTap | N
     Measured on the compiled MLP 8x512: with float64 reductions on every window, the ops' sampled
     steps copied each 256x512 output and gradient to float64 (~165 and ~80 us a layer), 2.3 ms of
     copies a sampled step (benchmarks/RESULTS.md, thirty-fourth session)."""
-    return flags.taps_at.get(row.data_ptr()) if flags is not None else None
+    return flags.taps_at.get(storage_place(row_key)) if flags is not None else None
 
 
 def _returns_nothing(*args: object) -> None:
@@ -152,9 +153,8 @@ def _returns_nothing(*args: object) -> None:
 
 
 _SCHEMAS = {
-    "add_output_grad": ("(Tensor grad, Tensor(a!) row, Tensor weights, int flags_key, int unit_count,"
-                        " bool channel_first, bool unit_sums) -> ()", _add_output_grad),
-    "mark_output": ("(Tensor output, Tensor row, Tensor(a!) clock, int flags_key) -> ()", _mark_output),
+    "add_output_grad": ("(Tensor grad, Tensor row_key, int flags_key) -> ()", _add_output_grad),
+    "mark_output": ("(Tensor output, Tensor row_key, Tensor(a!) clock, int flags_key) -> ()", _mark_output),
 }  # fmt: skip
 
 
@@ -164,8 +164,10 @@ _SCHEMAS = {
 #: called the kernels at every step, ``gated`` calls them behind :data:`GATE` (code cached by this
 #: gradwatch names the gate, which an older one lacks: it must not be served to one); ``gated_row``
 #: takes each layer's backward cells and dead-unit evidence as one row (``cells.DeviceCells.backward``);
-#: ``row_keyed``: ``mark_output`` finds its tap by that row, read only, and writes no forward cells.
-OVERLOAD = "row_keyed"
+#: ``row_keyed``: ``mark_output`` finds its tap by that row, read only, and writes no forward cells;
+#: ``empty_keyed``: both find it by a zero-size view of the row (``grad_tap.row_key_of``), and
+#: ``add_output_grad`` writes nothing the graph sees (no copy path, no layer facts as arguments).
+OVERLOAD = "empty_keyed"
 #: the ops as inductor's wrapper names them
 _OP_NAMES = tuple(f"torch.ops.gradwatch.{name}.{OVERLOAD}" for name in _SCHEMAS)
 
@@ -182,6 +184,7 @@ def _define_ops() -> "torch.library.Library | None":
     copy of gradwatch in the process defined them first (their kernels would read that copy's flags)."""
     if not hasattr(torch.library, "register_fake"):
         return None
+    from torch.fx.node import has_side_effect
     tags = tuple(getattr(torch.Tag, name) for name in ("flexible_layout", "cudagraph_unsafe")
                  if hasattr(torch.Tag, name))  # fmt: skip
     try:
@@ -192,6 +195,8 @@ def _define_ops() -> "torch.library.Library | None":
             library.impl(qualified, kernel, "CompositeExplicitAutograd")
             torch.library.register_fake(f"gradwatch::{qualified}", _returns_nothing, lib=library)
             _compat.inductor.attach_kernel(_op(name), kernel, GATE, "flags_key")
+            # (an op that declares no write would be dead code to FX and inductor: ``add_output_grad``)
+            has_side_effect(_op(name))
     except RuntimeError as exc:  # the namespace is taken
         log.debug("gradwatch: compiled taps compute their sampled statistics at every step, masked (%s)", exc)
         return None

@@ -53,9 +53,10 @@ class RecordingFlags:
         self.forward_writes = 0
         #: Some tap failed since the last step (its ``failure`` says how); reported at step(), not in the hook.
         self.failed = False
-        #: address (``data_ptr``) of a tap's backward row -> the tap: how the opaque ops' kernels,
-        #: handed the row, reach the layer's precision of the window (``host_branch``)
-        self.taps_at: dict[int, "OutputTap"] = {}
+        #: where a tap's backward row starts (``cells.storage_place``: storage address, offset) -> the
+        #: tap: how the opaque ops' kernels, handed a zero-size view of the row (``grad_tap.row_key_of``),
+        #: reach the layer's tap (``host_branch``)
+        self.taps_at: dict[tuple[int, int], "OutputTap"] = {}
 
     def close(self) -> None:
         """The monitor closed: the taps record nothing more (those compiled code still runs too), and

@@ -39,8 +39,8 @@ def record_output(tap: "OutputTap", out: torch.Tensor, checked: bool, shared: De
             tap.forward_sum.add_(forward_sum(local))
         if shared.flags.every_step:  # (tap.forward_cells: [first call | output elements | output statistics])
             add_recorded_output(local, tap.forward_cells, shared.clock, shared.clock_tick, tap.records_outputs)
-        elif host_branch.IN_USE:  # (its tap found by its backward row: no forward cells in the graph)
-            host_branch.mark_output(local, tap.grad_tap.grad_row, shared.clock, shared.flags.key)
+        elif host_branch.IN_USE:  # (its tap found by its row's zero-size view: no cells of its own in the graph)
+            host_branch.mark_output(local, tap.grad_tap.row_key, shared.clock, shared.flags.key)
         else:
             _record_masked(tap, local, tap.forward_cells, shared)
     if out.requires_grad and not shared.flags.grads_through_function:

@@ -121,39 +121,42 @@ def test_only_float32_cpu_tensors_outside_compiled_code_take_the_rows():
 def test_the_compiled_taps_ops_write_exact_statistics_of_tiny_channels_last_gradients_on_sampled_steps_only():
     # What compiled taps' sampled steps run (host_branch's kernels, eagerly at run time): a
     # gradient of ~1e-25 in inductor's channels-last layout, one channel dead, against float64,
-    # written into the backward row they are handed (no tap's: as aot_eager hands a copy), and the
-    # forward statistics a compiled step traced whole writes into its cells (cells.add_recorded_output);
-    # the forward op, handed a row no tap holds, records nothing; on an unsampled step they write nothing.
+    # recorded by the layer's tap, found by the zero-size key compiled code hands over, into its
+    # backward row (the calls and samples on the host); the forward statistics a compiled step traced
+    # whole writes into its cells (cells.add_recorded_output); the forward op, handed a key no tap
+    # holds, records nothing; on an unsampled step they write nothing.
     if host_branch.add_output_grad is None:
         pytest.skip("the ops need torch.library.register_fake (torch >= 2.4)")
-    flags = RecordingFlags()
     torch.manual_seed(2)
+    monitor = GradMonitor(nn.Conv2d(16, 16, 1), flush_every=50)  # its first step is sampled
+    cells = monitor._stages.pipeline.recorder.cells
+    tap, flags, host = cells.taps[0], cells.flags, cells.host
+    assert flags.sampling
     g = (torch.randn(_SHAPE) * 1e-25).contiguous(memory_format=torch.channels_last)
     g[:, 3] = 0.0
-    weights = torch.ones(1 << 14)
-    row = torch.zeros(3 + 16, dtype=torch.float64)  # the layer's backward cells, then its units
-    grad_cells, units = row[:3], row[3:]
-    host_branch.add_output_grad(g, row, weights, flags.key, 16, True, False)
+    row = tap.grad_tap.grad_row  # the layer's backward cells (sum of squares, calls, samples), then its units
+    units = row[3:]
+    host_branch.add_output_grad(g, tap.grad_tap.row_key, flags.key)
     rows = g.double().square().sum(dim=(2, 3))
-    torch.testing.assert_close(grad_cells[0:1], rows.sum().reshape(1), rtol=1e-12, atol=0)
-    assert grad_cells[1:].tolist() == [1.0, _SHAPE[0]]  # one call, its images as samples
-    torch.testing.assert_close(units, rows.sum(dim=0), rtol=1e-12, atol=0)
+    torch.testing.assert_close(row[0:1], rows.sum().reshape(1), rtol=1e-12, atol=0)
+    assert [host.values[1, 0], host.values[2, 0]] == [1.0, _SHAPE[0]]  # one call, its images as samples (host)
     assert units[3] == 0 and (units[torch.arange(16) != 3] > 0).all()
     forward = torch.zeros(2 + outputs.declared_accumulators(), dtype=torch.float64)
     clock = torch.full((1,), 7.0, dtype=torch.float64)
-    host_branch.mark_output(g, row, clock, flags.key)  # (no tap holds the row)
-    assert not forward.any() and clock.tolist() == [7.0]
+    host_branch.mark_output(g, tap.grad_tap.row_key.clone(), clock, flags.key)  # (no tap holds a copy)
+    assert not forward.any() and clock.tolist() == [7.0] and host.values[3, 0] == 0  # no elements counted
     add_recorded_output(g, forward, clock, 2.0, True)
     assert forward[0] == 7.0 and clock.tolist() == [5.0]  # its first call's clock, then counted down
     assert forward[1] == g.numel()
     assert forward[2] == pytest.approx(float(rows.sum()), rel=1e-12)  # act_rms's sum of squares
     assert forward[3] == float(torch.count_nonzero(g))
     flags.sampling = False
-    written = [t.clone() for t in (grad_cells, units, forward, clock)]
-    host_branch.add_output_grad(g, row, weights, flags.key, 16, True, False)
-    host_branch.mark_output(g, row, clock, flags.key)
-    for before, after in zip(written, (grad_cells, units, forward, clock)):
-        assert torch.equal(before, after)  # unsampled: nothing computed, nothing written
+    written = [t.clone() for t in (row, clock)] + [host.values.copy()]
+    host_branch.add_output_grad(g, tap.grad_tap.row_key, flags.key)
+    host_branch.mark_output(g, tap.grad_tap.row_key, clock, flags.key)
+    assert torch.equal(written[0], row) and torch.equal(written[1], clock)  # unsampled: nothing computed,
+    assert (written[2] == host.values).all()  # nothing written, nothing counted
+    monitor.close()
 
 
 def test_the_gate_compiled_code_reads_follows_each_monitor_s_sampling_and_outlives_none():

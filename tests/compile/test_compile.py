@@ -233,18 +233,17 @@ class _Float64Reads(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def test_the_sampled_step_ops_record_as_the_layer_s_eager_tap_by_its_code_and_a_copy_of_the_row_in_float64():
+def test_the_sampled_step_ops_record_as_the_layer_s_eager_tap_by_its_code_found_by_a_zero_size_key():
     # The ops that record compiled sampled steps (capture/host_branch.py) run on the host, called by
-    # inductor's wrapper with the layer's own backward row. Found by that row, the layer's tap records the
-    # call by its eager code: after a window whose magnitudes were far from float32's limits it
-    # reduces in float32 (registry.outputs.float32_is_exact, GradStatistics.float32_rows; the ops
-    # once did so in float64 in every window: 2.3 ms a sampled step of the compiled MLP 8x512), and
-    # counts the calls, samples and elements on the host (host_cells.py) instead of adding each into
-    # a device cell. The backward op, handed a copy of its row (as aot_eager does with what an op
-    # writes), adds everything into it in float64; the forward op only reads the row (aot_eager hands
-    # it the row itself) and, handed a row no tap holds, records nothing. What they record equals a
-    # float64 reference. That inductor hands them the rows themselves is tested on the
-    # inductor-compiled conv net below.
+    # inductor's wrapper with a zero-size view of the layer's backward row (grad_tap.row_key_of). Found
+    # by that key, the layer's tap records the call by its eager code: after a window whose magnitudes
+    # were far from float32's limits it reduces in float32 (registry.outputs.float32_is_exact,
+    # GradStatistics.float32_rows; the ops once did so in float64 in every window: 2.3 ms a sampled
+    # step of the compiled MLP 8x512), and counts the calls, samples and elements on the host
+    # (host_cells.py) instead of adding each into a device cell. Both ops only read the key (aot_eager
+    # hands it over as it is); handed a key no tap holds (a copy, the row itself at another place),
+    # they record nothing. What they record equals a float64 reference. That inductor hands them the
+    # keys themselves is tested on the inductor-compiled conv net below.
     from gradwatch.capture import host_branch
     from gradwatch.registry import outputs
 
@@ -261,42 +260,46 @@ def test_the_sampled_step_ops_record_as_the_layer_s_eager_tap_by_its_code_and_a_
     out = torch.relu(torch.randn(64, 32))
     g = torch.randn(64, 32)
 
-    def mark(row: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, int]:
+    def mark(key: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, int]:
         cells = tap.forward_cells  # (where the tap writes its output statistics)
         before, counted, reads = cells.clone(), host.values.copy(), _Float64Reads()
         clock = float(shared.clock)
         with reads:
-            host_branch._mark_output(out, row, shared.clock, flags.key)
+            host_branch._mark_output(out, key, shared.clock, flags.key)
         ticks.append((clock - float(shared.clock)) / shared.clock_tick)
         return cells - before, host.values - counted, reads.count
 
-    def add_grad(target: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, int]:
-        before, counted, reads = target.clone(), host.values.copy(), _Float64Reads()
+    def add_grad(key: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, int]:
+        row = tap.grad_tap.grad_row  # (where the tap writes its output gradients' statistics)
+        before, counted, reads = row.clone(), host.values.copy(), _Float64Reads()
         with reads:
-            host_branch._add_output_grad(g, target, shared.weights, flags.key, 32, False, False)
-        return target - before, host.values - counted, reads.count
+            host_branch._add_output_grad(g, key, flags.key)
+        return row - before, host.values - counted, reads.count
 
     want_sq, want_grad_sq = float(out.double().square().sum()), float(g.double().square().sum())
     order, calls, samples, elements = range(4)  # HostCells.values' rows
     ticks: list[float] = []  # how far each mark counted the device clock down
-    added, counted, reads = mark(tap.grad_tap.grad_row)
+    key = tap.grad_tap.row_key
+    assert key.numel() == 0 and key.untyped_storage().data_ptr() == tap.grad_tap.grad_row.untyped_storage().data_ptr()
+    added, counted, reads = mark(key)
     assert reads == 0  # (a float32 window)
     assert float(added[2]) == pytest.approx(want_sq, rel=1e-6) and added[3] == int((out != 0).sum())
     # the elements and the order on the host; the device clock untouched
     assert (counted[elements, 0], float(added[1])) == (out.numel(), 0.0)
     assert (counted[order, 0] > 0, ticks[-1]) == (True, 0.0)
-    added, counted, reads = mark(tap.grad_tap.grad_row.clone())  # a row no tap holds: nothing
-    assert not added.any() and not counted.any() and ticks[-1] == 0.0
-    for own in (True, False):
-        target = tap.grad_tap.grad_row if own else tap.grad_tap.grad_row.clone()
-        added, counted, reads = add_grad(target)
-        assert (reads > 0) == (not own)
-        assert float(added[0]) == pytest.approx(want_grad_sq, rel=1e-6) and (added[3:] > 0).all()  # every unit alive
-        counts = [counted[calls, 0], counted[samples, 0]] if own else list(added[1:3])
-        assert counts == [1.0, 64.0]  # a call, its samples
-        assert not (added[1:3].any() if own else counted.any())
+    added, counted, reads = add_grad(key)
+    assert reads == 0
+    assert float(added[0]) == pytest.approx(want_grad_sq, rel=1e-6) and (added[3:] > 0).all()  # every unit alive
+    assert [counted[calls, 0], counted[samples, 0]] == [1.0, 64.0] and not added[1:3].any()  # a call, its samples
+    # keys no tap holds: a copy (elsewhere), and the next cell of the same storage
+    for stranger in (key.clone(), tap.grad_tap.grad_row.data[1:1].data):
+        assert stranger.numel() == 0
+        added, counted, reads = mark(stranger)
+        assert not added.any() and not counted.any() and ticks[-1] == 0.0
+        added, counted, reads = add_grad(stranger)
+        assert not added.any() and not counted.any()
     tap.exact_outputs, tap.grad_stats.float32 = True, False  # a window near float32's limits: float64
-    assert mark(tap.grad_tap.grad_row)[2] > 0 and add_grad(tap.grad_tap.grad_row)[2] > 0
+    assert mark(key)[2] > 0 and add_grad(key)[2] > 0
     monitor.close()
 
 
@@ -317,9 +320,8 @@ def test_a_failure_inside_the_sampled_step_ops_is_said_at_step_not_raised_into_c
     monkeypatch.setattr(registry, "accumulate_all", broken)
     monkeypatch.setattr(grad_statistics.GradStatistics, "record", broken)
     with caplog.at_level(logging.WARNING, logger="gradwatch"):
-        host_branch._mark_output(torch.randn(8, 32), tap.grad_tap.grad_row, shared.clock, flags.key)
-        host_branch._add_output_grad(torch.randn(8, 32), tap.grad_tap.grad_row, shared.weights, flags.key, 32, False,
-                                     False)  # fmt: skip
+        host_branch._mark_output(torch.randn(8, 32), tap.grad_tap.row_key, shared.clock, flags.key)
+        host_branch._add_output_grad(torch.randn(8, 32), tap.grad_tap.row_key, flags.key)
         model(torch.randn(8, 16)).square().mean().backward()  # (eager: its sampled step fails the same way)
         monitor.step()
     said = [r.getMessage() for r in caplog.records if "forced failure" in r.getMessage()]
@@ -354,11 +356,13 @@ def _wrapper_calls(model: nn.Module, monitored: bool) -> dict[str, int]:
     return {name: forward.count(f"{name}(") for name in ("reinterpret_tensor", "empty_strided_cpu")}
 
 
-def test_the_compiled_forward_takes_no_forward_cells_where_the_sampled_step_ops_record():
-    # Each graph input costs the compiled call ~9.4 K instructions a step on the host (its size
-    # assert, its guards, AOTAutograd's wrappers; benchmarks/instructions.py, RESULTS forty-third
-    # session). The forward op finds its tap by the layer's backward row, which it only reads and the
-    # compiled call takes anyway, so the layers' forward cells are no input of the compiled forward.
+def test_the_compiled_code_takes_no_cells_with_elements_but_the_forward_sums_where_the_sampled_step_ops_record():
+    # Each graph input with elements costs the compiled call thousands of instructions a step on the
+    # host (inductor's size assert, ~4.1 K with torch 2.13; guards; AOTAutograd's wrappers:
+    # benchmarks/instructions.py, RESULTS forty-third and forty-fourth sessions). The ops find their
+    # tap by a zero-size view of the layer's backward row (grad_tap.row_key_of), so neither the
+    # forward cells nor the backward rows are inputs of the compiled code: of gradwatch's cells, only
+    # the forward sums (the per-step check, added in the graph) and the keys are.
     from gradwatch.capture import host_branch
 
     if not host_branch.IN_USE:
@@ -366,19 +370,22 @@ def test_the_compiled_forward_takes_no_forward_cells_where_the_sampled_step_ops_
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     monitor = GradMonitor(model, flush_every=4)
-    taps = monitor._stages.pipeline.recorder.cells.taps
-    inputs: list[int] = []
+    cells = monitor._stages.pipeline.recorder.cells
+    taps, device = cells.taps, cells.devices[0]
+    inputs: list[tuple[int, int, int]] = []  # (storage, offset, elements)
 
     def backend(gm, example_inputs):  # what dynamo hands the compiler: the graph's real inputs
-        inputs.extend(t.data_ptr() for t in example_inputs if isinstance(t, torch.Tensor))
+        inputs.extend((*host_branch.storage_place(t), t.numel()) for t in example_inputs if isinstance(t, torch.Tensor))
         return gm.forward
 
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     compiled(torch.randn(8, 16)).square().mean().backward()
     monitor.step()
-    assert {tap.grad_tap.grad_row.data_ptr() for tap in taps} <= set(inputs)  # (the op's key: read)
-    assert not {tap.forward_cells.data_ptr() for tap in taps} & set(inputs)
+    assert {(*host_branch.storage_place(tap.grad_tap.row_key), 0) for tap in taps} <= set(inputs)  # the ops' keys
+    storages = {t.untyped_storage().data_ptr() for t in (device.forward, device.backward, device.sums)}
+    with_elements = {(storage, offset) for storage, offset, n in inputs if storage in storages and n}
+    assert with_elements == {host_branch.storage_place(tap.forward_sum) for tap in taps}  # no rows, no forward cells
     monitor.close()
 
 
