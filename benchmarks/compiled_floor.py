@@ -132,3 +132,12 @@ class CompiledContractReadFloor(C.ContractReadFloor):
         GATE[self.key] = False
         _FLOORS.pop(self.key, None)
         super().close()
+
+
+class CompiledJudgedReadFloor(CompiledContractReadFloor, C.JudgedReadFloor):
+    """:class:`CompiledContractReadFloor` with the least per-step judgement the default must make
+    (:class:`contenders.JudgedReadFloor`'s, on the host after backward: the compiled code's forward sums
+    are its outputs, appended by dynamo as the eager hooks append them). What exactness needs of a
+    compiled model's unsampled step, as the eager judged floor is of an eager one. CPU only."""
+
+    name = "contract's read floor judged every step, compiled"

@@ -581,11 +581,11 @@ class JudgedReadFloor(ContractReadFloor):
     #: how many calm steps the exploding judgement compares with
     RECENT = 8
 
-    def __init__(self, model, workload, device, flush_every: int = 50):
+    def __init__(self, model, workload, device, flush_every: int = 50, cpu_reductions: bool | None = None):
         if torch.device(device).type != "cpu":
             raise ValueError(f"JudgedReadFloor judges host memory: run it on the CPU, not {device} (ContractReadFloor "
                              "runs anywhere)")  # fmt: skip
-        super().__init__(model, workload, device, flush_every)
+        super().__init__(model, workload, device, flush_every, cpu_reductions)
         self.rows = self.table.numpy()  # shares memory with the table
         self.factor_sq = HealthConfig().exploding_factor ** 2
         self.recent: collections.deque[float] = collections.deque(maxlen=self.RECENT)

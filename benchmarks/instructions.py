@@ -12,7 +12,7 @@ script runs itself under ``valgrind --tool=callgrind`` with instrumentation off 
 compiling and warm-up run at valgrind's uninstrumented speed), makes three copies of one model
 (unmonitored, gradwatch's default, and the contract's read floor: ``contenders.ContractReadFloor``,
 compiled ``compiled_floor.CompiledContractReadFloor``; ``--judged``: ``contenders.JudgedReadFloor``, the
-least per-step judgement added, eager only), steps them interleaved, and counts
+least per-step judgement added, compiled ``compiled_floor.CompiledJudgedReadFloor``), steps them interleaved, and counts
 ``--steps`` unsampled, non-flush steps of each (the step gradwatch takes ~47 times in 50) phase by
 phase: the forward and backward, the read (gradwatch's ``step()``, the floor's read; nothing for
 the unmonitored copy) and the optimizer's step. Reported: instructions per step and phase, mean
@@ -135,13 +135,14 @@ def function_differences(labels: list[list[str]], dumps: list[str], top: int) ->
 
 def _contenders(compiled: bool, flush_every: int, judged: bool = False) -> list:
     from benchmarks import contenders as C
-    from benchmarks.compiled_floor import CompiledContractReadFloor
+    from benchmarks.compiled_floor import CompiledContractReadFloor, CompiledJudgedReadFloor
 
-    if judged:  # (eager: the judged floor reads host memory)
-        return [C.Unmonitored, C.gradwatch_contender(flush_every), C.flushing_every(C.JudgedReadFloor, flush_every)]
     if compiled:
+        floor = CompiledJudgedReadFloor if judged else CompiledContractReadFloor
         return [C.compiled(C.Unmonitored, "none"), C.compiled(C.gradwatch_contender(flush_every), "gradwatch"),
-                C.flushing_every(CompiledContractReadFloor, flush_every)]  # fmt: skip
+                C.flushing_every(floor, flush_every)]  # fmt: skip
+    if judged:  # (the judged floors read host memory: the CPU's)
+        return [C.Unmonitored, C.gradwatch_contender(flush_every), C.flushing_every(C.JudgedReadFloor, flush_every)]
     return [C.Unmonitored, C.gradwatch_contender(flush_every), C.flushing_every(C.ContractReadFloor, flush_every)]
 
 
@@ -304,7 +305,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="small: GEMMs run ~500x slower under valgrind")
     parser.add_argument("--compiled", action="store_true", help="every copy through torch.compile (inductor)")
     parser.add_argument("--judged", action="store_true",
-                        help="the floor judged at every step (contenders.JudgedReadFloor; eager only)")
+                        help="the floor judged at every step (contenders.JudgedReadFloor; compiled: "
+                             "compiled_floor.CompiledJudgedReadFloor)")
     parser.add_argument("--steps", type=int, default=4, help="unsampled steps counted per copy")
     parser.add_argument("--warmup", type=int, default=3, help="steps of each copy before the flush that starts the window")
     parser.add_argument("--flush-every", type=int, default=50)
@@ -314,8 +316,6 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--manifest", help=argparse.SUPPRESS)  # (the child's: where it lists its dumps)
     args = parser.parse_args()
-    if args.judged and args.compiled:
-        parser.error("--judged takes the eager floor judged at every step (there is no compiled one): drop --compiled")
     if os.environ.get(_CHILD):
         run_child(args)
         return

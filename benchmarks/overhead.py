@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import contenders as C  # noqa: E402
-from benchmarks.compiled_floor import CompiledContractReadFloor  # noqa: E402
+from benchmarks.compiled_floor import CompiledContractReadFloor, CompiledJudgedReadFloor  # noqa: E402
 from benchmarks import workloads as W  # noqa: E402
 from benchmarks.harness import (  # noqa: E402
     allocator_option,
@@ -104,13 +104,14 @@ def steady_contenders(flush_every: int = 50, compiled: bool = False) -> list[typ
     its periodic heatmap image (budget 0: an install without the plot extra). ``compiled``: every
     copy compiled whole with inductor, gradwatch against the per-step floor and the contract's floor
     compiled (``compiled_floor.py``: its sampled reads behind gated opaque ops, as gradwatch's
-    compiled taps take them)."""
+    compiled taps take them; and judged every step, on the host after backward, as the eager one)."""
     if compiled:
         return [
             C.compiled(C.Unmonitored, "none, compiled"), C.compiled(C.UnmonitoredControl, "none (A/A), compiled"),
             C.compiled(C.gradwatch_contender(flush_every), f"gradwatch flush={flush_every}, compiled"),
             C.compiled(C.DefaultStepFloor, "default's read floor, compiled"),
             C.flushing_every(CompiledContractReadFloor, flush_every),
+            C.flushing_every(CompiledJudgedReadFloor, flush_every),
         ]  # fmt: skip
     return [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(flush_every), C.DefaultStepFloor,
             C.flushing_every(C.ContractReadFloor, flush_every), C.flushing_every(C.JudgedReadFloor, flush_every),
