@@ -40,7 +40,7 @@ def in_reentrant_checkpoint() -> bool:
     return False
 
 
-#: Compiled taps' opaque ops (``capture/host_branch.py``: mutating custom ops called from forward
+#: Compiled taps' opaque ops (``capture/host_branch.py``: custom ops called from forward
 #: and backward hooks, inside compiled autograd's graph too): measured on torch 2.13 only; elsewhere
 #: compiled taps compute their sampled statistics at every step and mask them.
 OPS_IN_HOOKS = torch.__version__ >= (2, 13)  # torch's TorchVersion: a 2.13 pre-release counts as older

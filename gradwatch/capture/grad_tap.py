@@ -40,8 +40,8 @@ def row_key_of(grad_row: torch.Tensor) -> torch.Tensor:
     code hands the ops tensors (a per-layer constant would make each block of a regionally compiled
     model a graph of its own), and every tensor a graph takes with elements is checked at every call
     by inductor's ``assert_size_stride`` (~4.1 K instructions with torch 2.13's stringstream), while
-    one with no elements is not: handed the row itself, the compiled MLP's forward and backward
-    executed ~88 K instructions more a step (benchmarks/RESULTS.md, forty-fourth session). Detached
+    one with no elements is not: handed the rows themselves, the compiled MLP's forward and backward
+    executed ~106 K instructions more a step (benchmarks/RESULTS.md, forty-fourth session). Detached
     (``.data``): no base for dynamo to follow, a version counter of its own."""
     return grad_row.data[0:0].data
 
