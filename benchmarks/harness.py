@@ -121,6 +121,7 @@ def measure(workload, contender_types, rounds: int, warmup: int, device: torch.d
     for i in order:
         made[i] = contender_types[i](copy.deepcopy(base), workload, device)
     contenders = [made[i] for i in listed]
+    share_one_batch(contenders)
     results = {c.name: Result(c.name) for c in contenders}
     orders = balanced_orders(len(contenders))
     for r in range(warmup):  # interleaved, as the timed rounds
@@ -147,6 +148,17 @@ def measure(workload, contender_types, rounds: int, warmup: int, device: torch.d
         results[c.name].buffer_bytes = getattr(c, "buffer_bytes", None)
         results[c.name].report = dict(getattr(c, "report", {}))
     return [results[c.name] for c in contenders]
+
+
+def share_one_batch(contenders: list) -> None:
+    """Every contender steps on the first one's batch. Each copy drew a batch of its own (in the order
+    the copies were made), so the copies' gradients and Adam states differed, and with them the work
+    of the optimizer's step: MKL's sqrt takes a slower path for some values (``vssqrt_cout_rare``),
+    and callgrind counted one copy's optimizer step 0.4 M instructions (~0.5% of the step) above
+    another's doing the same work (benchmarks/RESULTS.md, forty-fourth session): a per-copy offset
+    fixed for a whole process."""
+    for c in contenders[1:]:
+        c.batch = contenders[0].batch
 
 
 def creation_order_for(n: int, seed: int | None) -> list[int] | None:

@@ -188,7 +188,7 @@ def run_child(args: argparse.Namespace) -> None:
 
     inductor_config.cpp.march = "haswell"  # AVX2 (see the module docstring)
     torch.set_num_threads(1)  # a second intra-op thread's spinning would count, differently each run
-    from benchmarks.harness import steady_allocator
+    from benchmarks.harness import share_one_batch, steady_allocator
     from gradwatch.capture.layout import planned_slots
     from gradwatch.settings import DETAILS
 
@@ -198,6 +198,7 @@ def run_child(args: argparse.Namespace) -> None:
     base = workload.make_model()
     kinds = _contenders(args.compiled, args.flush_every, getattr(args, "judged", False))
     copies = [kind(copy.deepcopy(base), workload, torch.device("cpu")) for kind in kinds]
+    share_one_batch(copies)  # (the same values: the optimizer's sqrt takes a path of its own for some)
     for _ in range(args.warmup):  # (compiles on the first)
         for contender in copies:
             contender.step()
@@ -308,7 +309,10 @@ def main() -> None:
                         help="the floor judged at every step (contenders.JudgedReadFloor; compiled: "
                              "compiled_floor.CompiledJudgedReadFloor)")
     parser.add_argument("--steps", type=int, default=4, help="unsampled steps counted per copy")
-    parser.add_argument("--warmup", type=int, default=3, help="steps of each copy before the flush that starts the window")
+    parser.add_argument("--warmup", type=int, default=10,
+                        help="steps of each copy before the flush that starts the window (at least 8: Python 3.11 "
+                             "quickens a function at about its 8th call, ~6 K instructions a step of step()'s "
+                             "functions counted when the counted steps were their 7th to 10th)")
     parser.add_argument("--flush-every", type=int, default=50)
     parser.add_argument("--functions", type=int, default=0, help="list the K functions that differ most, per phase")
     parser.add_argument("--cache-sim", action="store_true", help="also simulated cache misses and branch mispredictions")

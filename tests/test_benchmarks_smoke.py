@@ -548,3 +548,16 @@ def test_instructions_child_counts_each_copy_s_unsampled_steps_phase_by_phase(tm
     expected = [[c, p] for _ in made["counted_slots"] for c in I.COPIES for p in I.PHASES]
     assert made["labels"] == expected
     assert floors and all(issubclass(kind, C.JudgedReadFloor) == judged for kind in floors)
+
+
+def test_every_contender_steps_on_one_batch():
+    # Each copy drew a batch of its own, so the copies' Adam states and the optimizer's work differed
+    # (MKL's sqrt takes a slower path for some values: one copy's optimizer step counted 0.4 M
+    # instructions above another's, benchmarks/RESULTS.md forty-fourth session); measure() and
+    # instructions.py now hand every copy the first one's.
+    from benchmarks.harness import share_one_batch
+
+    made = [C.Unmonitored(_TINY.make_model(), _TINY, _CPU) for _ in range(3)]
+    assert not torch.equal(made[0].batch[0], made[1].batch[0])  # drawn one after another: different
+    share_one_batch(made)
+    assert all(c.batch is made[0].batch for c in made)

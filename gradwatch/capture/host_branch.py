@@ -180,11 +180,13 @@ def _define_ops() -> "torch.library.Library | None":
     """The ops in the ``gradwatch`` namespace, one Python kernel each for every backend
     (``CompositeExplicitAutograd``: they run with grad off). Not ``torch.library.custom_op``: its
     Python wrappers cost ~75 us a call against ~25 for ``Library.impl`` (measured with ops that
-    returned their statistics). None before torch 2.4 (no ``register_fake``), and where a second
-    copy of gradwatch in the process defined them first (their kernels would read that copy's flags)."""
-    if not hasattr(torch.library, "register_fake"):
+    returned their statistics). None before torch 2.4 (no ``register_fake``), where torch cannot
+    mark an op as having side effects (``torch.fx.node.has_side_effect``, what keeps the backward op,
+    which declares no write, in the graph), and where a second copy of gradwatch in the process
+    defined them first (their kernels would read that copy's flags)."""
+    has_side_effect = getattr(torch.fx.node, "has_side_effect", None) if hasattr(torch, "fx") else None
+    if not hasattr(torch.library, "register_fake") or has_side_effect is None:
         return None
-    from torch.fx.node import has_side_effect
     tags = tuple(getattr(torch.Tag, name) for name in ("flexible_layout", "cudagraph_unsafe")
                  if hasattr(torch.Tag, name))  # fmt: skip
     try:
