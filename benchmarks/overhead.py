@@ -96,7 +96,8 @@ def compiled_section(rounds: int, warmup: int, device: torch.device, sync=None) 
     return figures
 
 
-def steady_contenders(flush_every: int = 50, compiled: bool = False) -> list[type[C.Contender]]:
+def steady_contenders(flush_every: int = 50, compiled: bool = False,
+                      device: torch.device | None = None) -> list[type[C.Contender]]:
     """The contenders of the steady-state section, every one that flushes with windows of
     ``flush_every`` steps: gradwatch's default against its read floors (the per-step reads; the
     contract's reads and writes over whole windows; those with the least per-step judgement, which
@@ -104,7 +105,16 @@ def steady_contenders(flush_every: int = 50, compiled: bool = False) -> list[typ
     its periodic heatmap image (budget 0: an install without the plot extra). ``compiled``: every
     copy compiled whole with inductor, gradwatch against the per-step floor and the contract's floor
     compiled (``compiled_floor.py``: its sampled reads behind gated opaque ops, as gradwatch's
-    compiled taps take them; and judged every step, on the host after backward, as the eager one)."""
+    compiled taps take them; and judged every step, on the host after backward, as the eager one).
+    ``device`` other than the CPU: without the judged floors, which judge host memory (and refuse
+    other devices)."""
+    kinds = _steady_kinds(flush_every, compiled)
+    if device is not None and torch.device(device).type != "cpu":
+        kinds = [k for k in kinds if not issubclass(k, C.JudgedReadFloor)]
+    return kinds
+
+
+def _steady_kinds(flush_every: int, compiled: bool) -> list[type[C.Contender]]:
     if compiled:
         return [
             C.compiled(C.Unmonitored, "none, compiled"), C.compiled(C.UnmonitoredControl, "none (A/A), compiled"),
@@ -134,7 +144,7 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50,
     make the model copies in an order drawn from it (``harness.creation_order_for``; None: as listed);
     ``candidates``: the workloads to choose from (default the standard three); ``clock``: the timer
     (``harness.measure``'s, replaceable by a test)."""
-    contenders = steady_contenders(flush_every, compiled)
+    contenders = steady_contenders(flush_every, compiled, device)
     creation = creation_order_for(len(contenders), creation_seed)
     print(f"\n# steady state{', compiled' if compiled else ''}: {windows} whole windows of {flush_every} steps "
           "after the first two; mean ratios")  # fmt: skip

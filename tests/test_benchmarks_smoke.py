@@ -479,6 +479,11 @@ def test_steady_section_windows_every_contender_as_it_says_and_reports_each_gap(
     parts = [k for k in figures if k.startswith("parts of ")]
     assert len(parts) == 5 and all(v == (0.0, 0.0) for k in parts for v in figures[k].values())
     assert all(figures[c.name]["mean_ratio"] == 1.0 for c in O.steady_contenders(4)[1:])
+    # on an accelerator, without the judged floors (they judge host memory and refuse other devices)
+    for compiled in (False, True):
+        on_cpu, elsewhere = (O.steady_contenders(4, compiled, torch.device(d)) for d in ("cpu", "cuda"))
+        judged = [k for k in on_cpu if issubclass(k, C.JudgedReadFloor)]
+        assert len(judged) == 1 and [k.name for k in elsewhere] == [k.name for k in on_cpu if k not in judged]
 
 
 def _callgrind_dump(path, events: list[str], values: list[int]) -> None:
