@@ -241,8 +241,8 @@ def test_the_sampled_step_ops_record_as_the_layer_s_eager_tap_by_its_code_found_
     # GradStatistics.float32_rows; the ops once did so in float64 in every window: 2.3 ms a sampled
     # step of the compiled MLP 8x512), and counts the calls, samples and elements on the host
     # (host_cells.py) instead of adding each into a device cell. Both ops only read the key (aot_eager
-    # hands it over as it is); handed a key no tap holds (a copy, the row itself at another place),
-    # they record nothing. What they record equals a float64 reference. That inductor hands them the
+    # hands it over as it is); handed a key no tap holds (a copy of it; a zero-size view at another
+    # cell of the same row), they record nothing. What they record equals a float64 reference. That inductor hands them the
     # keys themselves is tested on the inductor-compiled conv net below.
     from gradwatch.capture import host_branch
     from gradwatch.registry import outputs
