@@ -57,8 +57,7 @@ def add_recorded_output(output: torch.Tensor, row: torch.Tensor, clock: torch.Te
     output elements | output statistics]): the forward order (:func:`advance_clock`) and, where
     ``statistics``, the elements and the declared output statistics (``registry/outputs.py``), exact
     (float64 where the dtype is). What compiled taps record at every step with ``detail="full"``
-    (traced), and the opaque op of ``host_branch.py`` on sampled steps where it is handed a copy of
-    the cells (no tap to take a precision from; handed the tap's own, it records by the tap's code)."""
+    (traced); the opaque op of ``host_branch.py`` records sampled steps by the tap's own code."""
     advance_clock(row[0:1], clock, tick)
     if statistics:
         row[1:2].add_(output.numel())
@@ -281,7 +280,8 @@ class Cells:
                 grad_row=_alias(cells.backward, start, start + ROW_COUNTS + int(unit_count[i])),
             )
             self.taps.append(tap)
-            self.flags.taps_at[host_branch.storage_place(tap.grad_tap.row_key)] = tap  # (how the ops find it: host_branch)
+            # (how the ops find it: host_branch)
+            self.flags.taps_at[host_branch.storage_place(tap.grad_tap.row_key)] = tap
 
     def release(self) -> None:
         """close(): the devices' tap states leave :data:`TAP_STATES` (compiled code still holding

@@ -2,10 +2,10 @@
 
 Used by the layer's tensor hook (``taps.OutputTap``), eagerly and inside compiled code, so every
 function here is traceable: tensor ops and facts fixed at attach (the layer's units and where
-they are), nothing else. Compiled taps add a recorded step's statistics to their device cells with
-:meth:`GradStatistics.add_to_cells` (run eagerly by the opaque op of ``host_branch.py`` on sampled
-steps, or traced with ``detail="full"``); where the op is not in use they take
-:meth:`GradStatistics.deltas` in the graph at every step and mask it.
+they are), nothing else. Compiled taps traced with ``detail="full"`` add every step's statistics to
+their device cells with :meth:`GradStatistics.add_to_cells`; where the opaque op of ``host_branch.py``
+records sampled steps, it runs the eager tap's :meth:`GradStatistics.record`; where that op is not
+in use they take :meth:`GradStatistics.deltas` in the graph at every step and mask it.
 """
 
 from __future__ import annotations
@@ -78,21 +78,19 @@ class GradStatistics:
         units = evidence.square().to(self.dtype) if evidence is not None else g.new_zeros(0, dtype=self.dtype)
         return sq.to(self.dtype).reshape(1), units
 
-    def add_to_cells(self, g: torch.Tensor, weights: torch.Tensor, row: torch.Tensor, fast: bool = False) -> None:
+    def add_to_cells(self, g: torch.Tensor, weights: torch.Tensor, row: torch.Tensor) -> None:
         """Add one output gradient of a recorded step to a layer's backward row on the device: its
         counts (sum of squares, calls, samples) and its dead-unit evidence, squared, after them
         (:data:`ROW_COUNTS`); ``weights`` as in :meth:`of`. What compiled code records where every
-        step is (``detail="full"``, traced) and what the opaque op of ``host_branch.py`` records on
-        sampled steps (run eagerly; ``fast``: rows normed in float32, see :meth:`of`)."""
-        sq, evidence, samples = self.of(g, weights, fast)
+        step is (``detail="full"``, traced)."""
+        sq, evidence, samples = self.of(g, weights)
         row[1:2].add_(1.0)
         row[0:1].add_(sq)
         if evidence is not None:
             row[ROW_COUNTS:].addcmul_(evidence, evidence)
             row[2:3].add_(samples)
 
-    def of(self, g: torch.Tensor, weights: torch.Tensor,
-           fast: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, float]:  # fmt: skip
+    def of(self, g: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """(sum of squares, per-unit evidence or None, the samples behind it) of one output gradient:
         the form compiled code takes (:meth:`add_to_cells`, :meth:`deltas`; eager taps write the same
         into their cells, :meth:`record`).
@@ -104,29 +102,21 @@ class GradStatistics:
         CPU a float64 reduction over rows costs a third of one over the whole tensor; a large
         convolution gradient's rows, outside traced code, in float32 with a float64 redo of the rows
         float32 cannot hold: :meth:`_channel_rows`), then their squares summed; the rows are also
-        what the dead-unit evidence is made of. ``fast`` (run eagerly only, where
-        :meth:`float32_rows` says so): the rows normed in float32 and combined in float64, as
-        :meth:`record` takes them (a gradient of at most ``cpu_rows.DOT_MAX`` elements: one float32
-        dot)."""
+        what the dead-unit evidence is made of."""
         ndim = g.ndim
         judged = self.judged(g)
         if ndim >= 3 and self.unit_dim(ndim) == 1:
             # (N, C, *spatial): one norm per (sample, channel) over positions, in any layout.
-            rows = self._row_norms(g, tuple(range(2, ndim)), True) if fast else self._channel_rows(g)
+            rows = self._channel_rows(g)
             if not judged:
                 return rows.square().sum(), None, 0.0
             # Per channel over samples and positions. The samples are the N examples, not
             # N x positions: neighbouring positions of one image are not independent evidence.
             return rows.square().sum(), torch.linalg.vector_norm(rows, 2, dim=0), float(g.shape[0])
         rows = _as_rows(g)
-        if fast and cpu_rows.dot_applies(g):  # (eager only, as :meth:`record`)
-            sq = cpu_rows.dot_square_sum(g)
-        else:
-            if fast:
-                row_norms = self._row_norms(rows, 1, True)
-            else:  # (traced code: no method call, one guard less)
-                row_norms = torch.linalg.vector_norm(rows, 2, dim=1, dtype=self.dtype)
-            sq = torch.dot(row_norms, row_norms)
+        # (traced code: no method call, one guard less)
+        row_norms = torch.linalg.vector_norm(rows, 2, dim=1, dtype=self.dtype)
+        sq = torch.dot(row_norms, row_norms)
         if not judged:
             return sq, None, 0.0  # units unknown, or an output without the declared units
         if rows.dtype not in (torch.float32, torch.float64):
@@ -200,8 +190,8 @@ class GradStatistics:
         return float(n)
 
     def float32_rows(self, g: torch.Tensor) -> bool:
-        """Whether eager code norms ``g``'s rows in float32 (combined in float64): :meth:`record`, and
-        the ops that record compiled sampled steps (``host_branch``, :meth:`add_to_cells` with ``fast``).
+        """Whether eager code norms ``g``'s rows in float32 (combined in float64): :meth:`record`, which
+        the ops that record compiled sampled steps run too (``host_branch``).
 
         On the CPU a float64 reduction of float32 values is 3-80x slower than a float32 one (the
         cast is not vectorised: 0.2-0.6 ms per convolution output of the standard CNN, 16 ms for a

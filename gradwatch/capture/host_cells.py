@@ -8,9 +8,8 @@ numpy counts, written at no device cost and added into the step's row by ``step(
 ops whatever the number of layers (none on the CPU path, whose buffer is host memory).
 Compiled calls count here too where their sampled statistics go through the opaque ops
 (``host_branch.py``): the ops' kernels run on the host at every sampled call and record by the
-eager tap's code (the backward op, handed a copy of its row, in the copy). Traced recording
-(``detail="full"``, the masked path) and a backward op handed a copy keep device cells; the two add
-up in the row.
+eager tap's code. Traced recording (``detail="full"``, the masked path) keeps device cells; the two
+add up in the row.
 
 The forward order is the one value eager and compiled taps must agree on: it is the device
 clock (``taps.DeviceCells.clock``), which each *compiled* call whose Python does not run at

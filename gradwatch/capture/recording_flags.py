@@ -53,7 +53,7 @@ class RecordingFlags:
         self.forward_writes = 0
         #: Some tap failed since the last step (its ``failure`` says how); reported at step(), not in the hook.
         self.failed = False
-        #: where a tap's backward row starts (``cells.storage_place``: storage address, offset) -> the
+        #: where a tap's backward row starts (``host_branch.storage_place``: storage address, offset) -> the
         #: tap: how the opaque ops' kernels, handed a zero-size view of the row (``grad_tap.row_key_of``),
         #: reach the layer's tap (``host_branch``)
         self.taps_at: dict[tuple[int, int], "OutputTap"] = {}

@@ -242,8 +242,8 @@ def test_the_sampled_step_ops_record_as_the_layer_s_eager_tap_by_its_code_found_
     # step of the compiled MLP 8x512), and counts the calls, samples and elements on the host
     # (host_cells.py) instead of adding each into a device cell. Both ops only read the key (aot_eager
     # hands it over as it is); handed a key no tap holds (a copy of it; a zero-size view at another
-    # cell of the same row), they record nothing. What they record equals a float64 reference. That inductor hands them the
-    # keys themselves is tested on the inductor-compiled conv net below.
+    # cell of the same row), they record nothing. What they record equals a float64 reference. That
+    # inductor hands them the keys themselves is tested on the inductor-compiled conv net below.
     from gradwatch.capture import host_branch
     from gradwatch.registry import outputs
 
@@ -1133,7 +1133,7 @@ def _count_statistics_at_run_time(monkeypatch) -> dict:
     from gradwatch.capture.grad_statistics import GradStatistics
 
     computed = {"grads": 0, "values": 0}
-    # (the ops record a gradient by the eager tap's code where they find its tap, else into the copy)
+    # (the ops record a gradient by the eager tap's code, GradStatistics.record; detail="full" traces add_to_cells)
     monkeypatch.setattr(GradStatistics, "add_to_cells", _counting(computed, "grads", GradStatistics.add_to_cells))
     monkeypatch.setattr(GradStatistics, "record", _counting(computed, "grads", GradStatistics.record))
     monkeypatch.setattr(registry, "accumulate_all", _counting(computed, "values", registry.accumulate_all))
