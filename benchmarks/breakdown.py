@@ -144,10 +144,10 @@ def main() -> None:
 
 def _main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=["mlp", "cnn", "transformer"], default="mlp")
+    parser.add_argument("--workload", choices=list(W.BY_NAME), default="mlp")
     parser.add_argument("--rounds", type=int, default=200)
     args = parser.parse_args()
-    workload = {"mlp": W.mlp, "cnn": W.resnet, "transformer": W.transformer}[args.workload]()
+    workload = W.BY_NAME[args.workload]()
     print(f"# gradwatch cost breakdown  torch {torch.__version__}, {torch.get_num_threads()} threads")
     results = measure(
         workload,

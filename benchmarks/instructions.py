@@ -147,12 +147,11 @@ def _contenders(compiled: bool, flush_every: int, judged: bool = False) -> list:
 
 
 def _workload(name: str, batch: int):
-    from benchmarks import workloads as W
+    from benchmarks.workloads import BY_NAME
 
-    makers = {"mlp": W.mlp, "transformer": W.transformer, "resnet": W.resnet}
-    if name not in makers:
-        raise SystemExit(f"--workload {name!r}: choose one of {', '.join(makers)}")
-    return makers[name](batch=batch)
+    if name not in BY_NAME:
+        raise SystemExit(f"--workload {name!r}: choose one of {', '.join(BY_NAME)}")
+    return BY_NAME[name](batch=batch)
 
 
 def _phase_counter(copies: list, labels: list[list[str]]) -> None:
@@ -302,7 +301,7 @@ def run_parent(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", default="mlp", help="mlp (8x512), transformer (4 layers) or resnet (the CNN)")
+    parser.add_argument("--workload", default="mlp", help="mlp (8x512), cnn or transformer (4 layers), as the other scripts name them")
     parser.add_argument("--batch", type=int, default=16, help="small: GEMMs run ~500x slower under valgrind")
     parser.add_argument("--compiled", action="store_true", help="every copy through torch.compile (inductor)")
     parser.add_argument("--judged", action="store_true",

@@ -39,7 +39,6 @@ from benchmarks.contenders import GradientRead  # noqa: E402
 from benchmarks import workloads as W  # noqa: E402
 from benchmarks.harness import allocator_option, gradwatch_logger_at, use_allocator  # noqa: E402
 
-WORKLOADS = {"mlp": W.mlp, "cnn": W.resnet, "transformer": W.transformer}
 
 
 def import_revision(rev: str, into: str) -> object:
@@ -109,7 +108,7 @@ def measure(workload, old_package, steps: int, flush_every: int = 50, warmup: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rev", required=True, help="the revision to compare with (e.g. HEAD, a commit)")
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mlp")
+    parser.add_argument("--workload", choices=sorted(W.BY_NAME), default="mlp")
     parser.add_argument("--steps", type=int, default=400)
     allocator_option(parser)
     args = parser.parse_args()
@@ -117,7 +116,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as into, gradwatch_logger_at(logging.ERROR):
         old = import_revision(args.rev, into)
         logging.getLogger("gradwatch_old").setLevel(logging.ERROR)
-        figures = measure(WORKLOADS[args.workload](), old, args.steps)
+        figures = measure(W.BY_NAME[args.workload](), old, args.steps)
     for label, value in figures.items():
         print(f"{label:36s} {value:6.0f}" if label.endswith("steps") else f"{label:36s} {value:8.1f} us")
 

@@ -35,7 +35,6 @@ from gradwatch.capture import reductions  # noqa: E402
 from gradwatch.capture.layout import planned_slots  # noqa: E402
 from gradwatch.settings import DETAILS  # noqa: E402
 
-WORKLOADS = {"mlp": W.mlp, "cnn": W.resnet, "transformer": W.transformer}
 
 
 def measure(workload, steps: int, flush_every: int = 50) -> dict[str, float]:
@@ -87,13 +86,13 @@ def measure(workload, steps: int, flush_every: int = 50) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mlp")
+    parser.add_argument("--workload", choices=sorted(W.BY_NAME), default="mlp")
     parser.add_argument("--steps", type=int, default=300, help="training steps (default 300: five windows)")
     allocator_option(parser)
     args = parser.parse_args()
     print(f"# allocator {use_allocator(args.allocator)}")
     with gradwatch_logger_at(logging.ERROR):
-        result = measure(WORKLOADS[args.workload](), args.steps)
+        result = measure(W.BY_NAME[args.workload](), args.steps)
     order = ["pipeline.step", "  backward witnesses: read", "  record_step", "    parameter gradients",
              "      read and settled", "        foreach_norm (small tensors)", "        squares into the row, checked",
              "  per-step judgement (full)", "  per-step judgement (calm case: from the host check)",

@@ -101,6 +101,10 @@ def standard() -> list[Workload]:
     return [mlp(), resnet(), transformer()]
 
 
+#: the standard workloads' makers by the name the benchmark scripts' ``--workload`` takes
+BY_NAME = {"mlp": mlp, "cnn": resnet, "transformer": transformer}
+
+
 # ---------------------------------------------------------------- real architectures
 # Built from configs (random weights, no downloads) at batch sizes people train them with.
 
