@@ -50,7 +50,7 @@ def measure(workload, steps: int, flush_every: int = 50) -> dict[str, float]:
         recorder = pipeline.recorder
         wrapped: list[tuple] = []
         for owner, attr, label in (
-            (pipeline, "step", "pipeline.step"), (pipeline.watch, "repeats_last_step", "  backward witnesses: read"),
+            (pipeline, "step", "pipeline.step"), (pipeline.watch.backward, "repeats_last_step", "  backward witnesses: read"),
             (recorder, "record_step", "  record_step"), (recorder.param_stats, "record", "    parameter gradients"),
             (recorder.param_stats._foreach, "reduce", "      read and settled"),
             (reductions, "foreach_norm", "        foreach_norm (small tensors)"),

@@ -199,13 +199,15 @@ class GradMonitor:
         if global_step is not None:  # (None: counted here, nothing to check; a call costs microseconds after backward)
             global_step = check_step_number(global_step)
         stages = self._stages
-        if stages.watch.repeats_last_step():
+        watch = stages.watch
+        if watch.backward.repeats_last_step():
+            watch.say_repeated_step()
             return []
         if global_step is None:
             step = self._next_step
         else:
             step = global_step
-            stages.watch.check_step_number(step, self._next_step)
+            watch.check_step_number(step, self._next_step)
         self._next_step = step + 1
         return stages.pipeline.step(step, grads_scaled)
 

@@ -87,7 +87,8 @@ class StepPipeline:
             except GradientHealthError as exc:
                 exc.alerts[:0] = [a for a in new if a.kind in self.config.stop_on]
                 raise
-        self._stop_on(new)
+        if new:  # (a calm step makes no call more)
+            self._stop_on(new)
         return new
 
     def flush(self, final: bool, after_step: bool = False) -> list[Alert]:
@@ -137,7 +138,8 @@ class StepPipeline:
         window's first sampled steps found a layer dead, the rest of it is recorded in full."""
         recorder, probe = self.recorder, self.units_probe
         # (taken first, always: a silent layer is noted whether or not its evidence is wiped)
-        if self._take_fell_silent() and probe.enabled and not self._fresh_evidence:  # wiped once a window
+        if self.judge.fell_silent is not None and self._take_fell_silent() and probe.enabled \
+                and not self._fresh_evidence:  # wiped once a window
             self._fresh_evidence = True
             recorder.sample_rest_of_window(fresh=True)
             return

@@ -59,7 +59,8 @@ class BackwardWitness:
 
     def remember(self) -> None:
         """After a step was recorded: its witnesses' gradients, to compare with at the next ``step()``."""
-        self._marks = [None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in self._params]
+        # (each ``p.grad`` read once: a getter call, after backward)
+        self._marks = [None if (g := p.grad) is None else (weakref.ref(g), g._version) for p in self._params]
 
     def drop_references(self) -> None:
         """``close()``: forget the model's parameters."""

@@ -76,6 +76,7 @@ class Recorder:
         # Views made once: indexing and slicing are an op each per call.
         self._units_window = buffer[UNIT_ACC]
         self._present_rows = list(self._host[PARAM_PRESENT])  # numpy views of each step's row, made once
+        self._unsampled_row = self._host[STEP_UNSAMPLED]  # (a view made once, as the rows above)
         self._moves = [CellMoves(cells, self.layout, self.param_stats.cpu_fast, self.per_step_rows)
                        for cells in self.cells.devices]  # fmt: skip
         self._host_moves = HostCellMoves(self.layout, self.cells.host, numpy_rows=self.param_stats.counts_every_step)
@@ -129,9 +130,9 @@ class Recorder:
         """
         slot = self.slot
         flags = self.flags
-        sampled = flags.sampling
-        full = self.layout.is_sampled(slot)
-        self._host[STEP_UNSAMPLED][slot] = 0.0 if full else 1.0
+        sampled = flags._sampling  # (the property's value, read without a call: RecordingFlags)
+        full = self.layout.sampled_at[slot]  # (``is_sampled`` as a list, to slot flush_every: no call a step)
+        self._unsampled_row[slot] = 0.0 if full else 1.0
         self.calm_total = None
         try:
             if flags.failed:
@@ -168,7 +169,9 @@ class Recorder:
             self.cells.host.clear()
             self.slot = slot + 1
             flags.step += 1
-            flags.sampling = self.layout.is_sampled(self.slot)
+            upcoming = self.layout.sampled_at[self.slot]  # (re-read: nothing above changes it today)
+            if upcoming is not flags._sampling:  # (the setter's call only where it changes)
+                flags.sampling = upcoming
             flags.follow_cache_config()
 
     def _unwritten(self) -> np.ndarray:

@@ -28,6 +28,8 @@ class RecordingFlags:
     """
 
     def __init__(self) -> None:
+        #: ``sampling``'s value: what the hot paths (an eager tap's call, ``Recorder.record_step``) read,
+        #: without the property's call; written by the property's setter only
         self._sampling = True
         #: (sampled as bool, sampled as 0/1 in the stat dtype) on each device that holds cells, where
         #: compiled taps take the masked path (``host_branch.IN_USE`` False; else empty)

@@ -78,17 +78,15 @@ class ModelWatch:
         self.model_code = []
         self.backward.drop_references()
 
-    def repeats_last_step(self) -> bool:
-        """A ``step()`` with no backward since the last recorded one: not a new record (said once)."""
-        if not self.backward.repeats_last_step():
-            return False
+    def say_repeated_step(self) -> None:
+        """A ``step()`` with no backward since the last recorded one (``backward.repeats_last_step()``,
+        which ``step()`` asks directly: a call less at every step): not a new record, said once."""
         if self._once("repeat"):
             log.warning(
                 "gradwatch: step() was called with no backward since the last step(), so there are no new "
                 "gradients to record; this call records nothing (call monitor.step() once per optimizer step, "
                 "after backward; not in evaluation loops)"
             )
-        return True
 
     def check_hooks_ran(self, window: Any) -> None:
         """Warn once when the layers had gradients but gradwatch's forward hooks never ran: code

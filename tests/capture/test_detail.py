@@ -258,6 +258,28 @@ def test_unsampled_steps_register_no_tensor_hooks():
     monitor.close()
 
 
+def test_sampling_the_rest_of_a_window_hooks_every_step_to_its_end_then_the_plan_resumes():
+    # The dead-unit confirmation asks mid-window for every remaining step in full
+    # (Recorder.sample_rest_of_window); the taps follow at the very next step, and the next window
+    # samples by the plan again. (step() reads the window's plan as a list: Layout.sampled_at.)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    monitor = GradMonitor(model, flush_every=10)  # the plan: slots 0 and 1
+    recorder = monitor._stages.pipeline.recorder
+    hooked = []
+    for step in range(24):
+        if step == 4:
+            recorder.sample_rest_of_window()
+        out = model[0](torch.randn(2, 4))
+        hooked.append(bool(out._backward_hooks))
+        model[1](out).sum().backward()
+        monitor.step()
+        model.zero_grad()
+    expected = [0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 20, 21]
+    assert [step for step, hook in enumerate(hooked) if hook] == expected
+    assert [monitor.last_window.sampled.tolist()] == [[True, True] + [False] * 8]  # the window of steps 10-19
+    monitor.close()
+
+
 def test_forward_nan_origin_is_named_on_unsampled_steps_too():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 1))
     monitor = GradMonitor(model, flush_every=50)
