@@ -592,17 +592,21 @@ class JudgedReadFloor(ContractReadFloor):
         self.alarms = 0
 
     def after_backward(self):
-        forward, slot = self.results[:], self.slot  # (the step's forward sums; the row about to be written)
+        forward, slot = self._forward_total(), self.slot  # (the step's forward sums; the row about to be written)
         super().after_backward()
         values = self.rows[slot].tolist()
         normed = self.gradients.normed
         total = sum([v * v for v in values[:normed]]) + sum(values[normed:])
-        if not math.isfinite(total + sum([f.item() for f in forward])):
+        if not math.isfinite(total + forward):
             self.alarms += 1
         elif self.recent and total > self.factor_sq * max(self.recent):
             self.alarms += 1
         else:
             self.recent.append(total)
+
+    def _forward_total(self) -> float:
+        """The step's forward sums added on the host: the hooks' outputs (``results``, which the read clears)."""
+        return sum([f.item() for f in self.results])
 
 
 def _square_sum(x: torch.Tensor) -> torch.Tensor:

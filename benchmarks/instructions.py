@@ -133,12 +133,13 @@ def function_differences(labels: list[list[str]], dumps: list[str], top: int) ->
 # ---------------------------------------------------------------- the child, under valgrind
 
 
-def _contenders(compiled: bool, flush_every: int, judged: bool = False) -> list:
+def _contenders(compiled: bool, flush_every: int, judged: bool = False, regional: bool = False) -> list:
     from benchmarks import contenders as C
     from benchmarks.compiled_floor import CompiledContractReadFloor, CompiledJudgedReadFloor
+    from benchmarks.regional_floor import RegionalJudgedReadFloor
 
     if compiled:
-        floor = CompiledJudgedReadFloor if judged else CompiledContractReadFloor
+        floor = RegionalJudgedReadFloor if regional else CompiledJudgedReadFloor if judged else CompiledContractReadFloor
         return [C.compiled(C.Unmonitored, "none"), C.compiled(C.gradwatch_contender(flush_every), "gradwatch"),
                 C.flushing_every(floor, flush_every)]  # fmt: skip
     if judged:  # (the judged floors read host memory: the CPU's)
@@ -195,7 +196,7 @@ def run_child(args: argparse.Namespace) -> None:
     workload = _workload(args.workload, args.batch)
     torch.manual_seed(0)
     base = workload.make_model()
-    kinds = _contenders(args.compiled, args.flush_every, getattr(args, "judged", False))
+    kinds = _contenders(args.compiled, args.flush_every, getattr(args, "judged", False), getattr(args, "regional", False))
     copies = [kind(copy.deepcopy(base), workload, torch.device("cpu")) for kind in kinds]
     share_one_batch(copies)  # (the same values: the optimizer's sqrt takes a path of its own for some)
     for _ in range(args.warmup):  # (compiles on the first)
@@ -241,6 +242,7 @@ def _valgrind_command(args: argparse.Namespace, out_file: str, manifest: str) ->
              "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
              "--flush-every", str(args.flush_every)] + (["--compiled"] if args.compiled else [])  # fmt: skip
     child += ["--judged"] if args.judged else []
+    child += ["--regional"] if args.regional else []
     return command + child
 
 
@@ -307,6 +309,9 @@ def main() -> None:
     parser.add_argument("--judged", action="store_true",
                         help="the floor judged at every step (contenders.JudgedReadFloor; compiled: "
                              "compiled_floor.CompiledJudgedReadFloor)")
+    parser.add_argument("--regional", action="store_true",
+                        help="with --compiled: the judged floor with per-layer tensors, the form equal blocks compiled "
+                             "one by one need to share a graph (regional_floor.RegionalJudgedReadFloor)")
     parser.add_argument("--steps", type=int, default=4, help="unsampled steps counted per copy")
     parser.add_argument("--warmup", type=int, default=10,
                         help="steps of each copy before the flush that starts the window (at least 8: Python 3.11 "
@@ -319,6 +324,8 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--manifest", help=argparse.SUPPRESS)  # (the child's: where it lists its dumps)
     args = parser.parse_args()
+    if args.regional and not args.compiled:
+        parser.error("--regional is a compiled floor: add --compiled")
     if os.environ.get(_CHILD):
         run_child(args)
         return

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import contenders as C  # noqa: E402
 from benchmarks.compiled_floor import CompiledContractReadFloor, CompiledJudgedReadFloor  # noqa: E402
+from benchmarks.regional_floor import RegionalJudgedReadFloor  # noqa: E402
 from benchmarks import workloads as W  # noqa: E402
 from benchmarks.harness import (  # noqa: E402
     allocator_option,
@@ -105,7 +106,9 @@ def steady_contenders(flush_every: int = 50, compiled: bool = False,
     its periodic heatmap image (budget 0: an install without the plot extra). ``compiled``: every
     copy compiled whole with inductor, gradwatch against the per-step floor and the contract's floor
     compiled (``compiled_floor.py``: its sampled reads behind gated opaque ops, as gradwatch's
-    compiled taps take them; and judged every step, on the host after backward, as the eager one).
+    compiled taps take them; and judged every step, on the host after backward, as the eager one;
+    and that judged floor with per-layer tensors, the form equal blocks compiled one by one need to
+    share a graph: ``regional_floor.py``).
     ``device`` other than the CPU: without the judged floors, which judge host memory (and refuse
     other devices)."""
     kinds = _steady_kinds(flush_every, compiled)
@@ -122,6 +125,7 @@ def _steady_kinds(flush_every: int, compiled: bool) -> list[type[C.Contender]]:
             C.compiled(C.DefaultStepFloor, "default's read floor, compiled"),
             C.flushing_every(CompiledContractReadFloor, flush_every),
             C.flushing_every(CompiledJudgedReadFloor, flush_every),
+            C.flushing_every(RegionalJudgedReadFloor, flush_every),
         ]  # fmt: skip
     return [C.Unmonitored, C.UnmonitoredControl, C.gradwatch_contender(flush_every), C.DefaultStepFloor,
             C.flushing_every(C.ContractReadFloor, flush_every), C.flushing_every(C.JudgedReadFloor, flush_every),
@@ -170,7 +174,8 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50,
         control = next(r for k, r in of_kind if issubclass(k, C.UnmonitoredControl))
         floor = next(r for k, r in of_kind
                      if issubclass(k, C.ContractReadFloor) and not issubclass(k, C.JudgedReadFloor))
-        judged = [r for k, r in of_kind if issubclass(k, C.JudgedReadFloor)]  # (the CPU's runs)
+        judged = [(getattr(k, "gap_label", "gradwatch above the contract's floor judged every step"), r)
+                  for k, r in of_kind if issubclass(k, C.JudgedReadFloor)]  # (the CPU's runs)
         step_floor = next(r for k, r in of_kind
                           if issubclass(k, C.DefaultStepFloor) and not issubclass(k, (C.ContractReadFloor, C.OutputReadFloor)))
         # the default without its periodic heatmap image (budget 0: what an install without matplotlib
@@ -178,7 +183,7 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50,
         imageless = [r for k, r in watching if k.image_budget == 0.0]
         gaps = [("gradwatch above the contract's floor", gradwatch, floor),
                 *(("gradwatch without the periodic image above the contract's floor", r, floor) for r in imageless),
-                *(("gradwatch above the contract's floor judged every step", gradwatch, r) for r in judged),
+                *((label, gradwatch, r) for label, r in judged),
                 ("gradwatch above the per-step floor", gradwatch, step_floor),
                 ("A/A: the control above the unmonitored run", control, base)]  # fmt: skip
         for label, upper, lower in gaps:

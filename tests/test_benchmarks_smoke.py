@@ -310,7 +310,7 @@ def test_contract_read_floor_writes_what_the_default_writes(cpu_reductions, tiny
             assert value == pytest.approx(theirs[tag][step], rel=1e-4, abs=1e-6), (tag, step)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, True, "regional"])
 def test_the_judged_floor_alarms_on_a_nan_and_on_a_jump_and_stays_quiet_on_a_healthy_run(compiled):
     # The contract's floor with the least per-step judgement (benchmarks/contenders.py): quiet over a
     # healthy stretch, one alarm at the step whose loss is scaled 1000x (its squared norm ~1e6x the
@@ -326,7 +326,12 @@ def test_the_judged_floor_alarms_on_a_nan_and_on_a_jump_and_stays_quiet_on_a_hea
     tiny = W.mlp(depth=2, width=16, batch=8)
     scaled = dataclasses.replace(tiny, loss=lambda out, y: scale[0] * torch.nn.functional.cross_entropy(out, y))
     torch.manual_seed(0)
-    if compiled:
+    if compiled == "regional":  # (regional_floor.py: the forward sums in per-layer cells, read on the host)
+        from benchmarks.regional_floor import RegionalJudgedReadFloor
+
+        torch._dynamo.reset()
+        floor = RegionalJudgedReadFloor(scaled.make_model(), scaled, _CPU, flush_every=10, backend="aot_eager")
+    elif compiled:
         import torch._dynamo as dynamo
 
         dynamo.reset()
@@ -347,6 +352,58 @@ def test_the_judged_floor_alarms_on_a_nan_and_on_a_jump_and_stays_quiet_on_a_hea
     floor.close()
     with pytest.raises(ValueError, match="CPU"):
         C.JudgedReadFloor(tiny.make_model(), tiny, torch.device("meta"))
+
+
+def test_the_regional_floor_s_equal_blocks_share_a_graph_where_the_constant_index_floor_makes_one_each():
+    # benchmarks/regional_floor.py: the compiled judged floor with gradwatch's form (per-layer tensors),
+    # the floor of a model whose equal blocks are compiled one by one (model[i] = torch.compile(block)).
+    # Its blocks share the graphs the unmonitored blocks share; the compiled floor's constant layer
+    # index makes a graph per block (its forward alone is run: its ops' shared written tensor, saved
+    # for the backward of each block, is bumped by the next block's forward). The regional floor's
+    # sampled reads go to every layer on the sampled steps only, found by the layer's key.
+    from benchmarks.compiled_floor import CompiledContractReadFloor
+    from benchmarks.regional_floor import RegionalJudgedReadFloor
+
+    def blocks() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()) for _ in range(4)])
+
+    workload = W.Workload("blocks", blocks, lambda device: (torch.randn(4, 16), torch.randint(0, 16, (4,))),
+                          torch.nn.functional.cross_entropy)  # fmt: skip
+    graphs = {}
+    for kind in (C.Unmonitored, RegionalJudgedReadFloor, CompiledContractReadFloor):
+        torch._dynamo.reset()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        model = blocks()
+        floor = kind(model, workload, _CPU) if kind is C.Unmonitored else kind(model, workload, _CPU, flush_every=10)
+        for i in range(len(model)):
+            model[i] = torch.compile(model[i], backend="aot_eager")
+        floor._run = model  # (the blocks compiled one by one, the model around them not)
+        if kind is CompiledContractReadFloor:
+            for _ in range(2):
+                model(floor.batch[0])
+            graphs[kind.__name__] = counters["stats"]["unique_graphs"]
+            floor.close()
+            continue
+        reads: list[tuple[str, int, int]] = []
+        for read in ("output", "out_grad") if kind is RegionalJudgedReadFloor else ():
+            method = getattr(floor, f"read_sampled_{read}")
+            setattr(floor, f"read_sampled_{read}",
+                    lambda layer, t, read=read, method=method: (reads.append((read, floor.slot, layer)), method(layer, t)))
+        for _ in range(12):
+            floor.step()
+        graphs[kind.__name__] = counters["stats"]["unique_graphs"]
+        if kind is RegionalJudgedReadFloor:
+            sampled = [t % 10 for t in range(12) if floor.sampled[t % 10]]
+            assert sorted(reads) == sorted((read, t, i) for read in ("output", "out_grad") for t in sampled
+                                           for i in range(4))  # fmt: skip
+            assert floor.alarms == 0
+        floor.close()
+    # (unmonitored: a graph for the first block, whose input needs no gradient, and one the others share)
+    assert graphs["RegionalJudgedReadFloor"] == graphs["Unmonitored"] == 2, graphs
+    assert graphs["CompiledContractReadFloor"] >= len(blocks()), graphs  # (a graph a block at least)
+    torch._dynamo.reset()
 
 
 def test_the_compiled_contract_floor_reads_on_sampled_steps_only_what_the_eager_floor_reads_in_one_graph():
@@ -472,7 +529,7 @@ def test_steady_section_windows_every_contender_as_it_says_and_reports_each_gap(
         finally:
             for c in made:
                 c.close()
-        assert len(windows) == (3 if compiled else 4) and set(windows.values()) == {4}, windows
+        assert len(windows) == 4 and set(windows.values()) == {4}, windows
     figures = O.steady_section(1, _CPU, flush_every=4, candidates=[_TINY], clock=_Ticks())[_TINY.name]
     gaps = [k for k in figures if "above" in k]
     assert len(gaps) == 5 and all(figures[k][:3] == (0.0, 0.0, 0.0) and figures[k][3] == 1 for k in gaps)
@@ -482,8 +539,8 @@ def test_steady_section_windows_every_contender_as_it_says_and_reports_each_gap(
     # on an accelerator, without the judged floors (they judge host memory and refuse other devices)
     for compiled in (False, True):
         on_cpu, elsewhere = (O.steady_contenders(4, compiled, torch.device(d)) for d in ("cpu", "cuda"))
-        judged = [k for k in on_cpu if issubclass(k, C.JudgedReadFloor)]
-        assert len(judged) == 1 and [k.name for k in elsewhere] == [k.name for k in on_cpu if k not in judged]
+        judged = [k for k in on_cpu if issubclass(k, C.JudgedReadFloor)]  # (compiled: and with per-layer tensors)
+        assert len(judged) == (2 if compiled else 1) and [k.name for k in elsewhere] == [k.name for k in on_cpu if k not in judged]
 
 
 def _callgrind_dump(path, events: list[str], values: list[int]) -> None:
