@@ -17,7 +17,6 @@ as :class:`compiled_floor.CompiledJudgedReadFloor`. No forward order, no alias, 
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from typing import Any
 
@@ -120,10 +119,10 @@ class RegionalJudgedReadFloor(CF.CompiledJudgedReadFloor):
         super().__init__(model, workload, device, flush_every, cpu_reductions, backend)
         for handle in self.handles:  # the constant-index hooks, replaced
             handle.remove()
-        self.regional_key = next(k for k in itertools.count(1) if k not in _FLOORS)
-        _FLOORS[self.regional_key] = self
-        _WRITTEN[self.regional_key] = self.written
-        weakref.finalize(self, _WRITTEN.pop, self.regional_key, None)
+        # keyed as the compiled floors are (their key, and their gate: ``CompiledContractReadFloor.step`` sets it)
+        _FLOORS[self.key] = self
+        _WRITTEN[self.key] = self.written
+        weakref.finalize(self, _WRITTEN.pop, self.key, None)
         n = len(self.layers)
         self.sums = torch.zeros(n, device=device)
         self.sums_host = self.sums.numpy()
@@ -133,12 +132,8 @@ class RegionalJudgedReadFloor(CF.CompiledJudgedReadFloor):
         for i, layer in enumerate(self.layers):
             layer_key = keys.data[i:i].data
             self.layer_at[(layer_key.untyped_storage().data_ptr(), i)] = i
-            hook = _LayerHook(self.sums.data[i : i + 1].data, layer_key, self.regional_key)
+            hook = _LayerHook(self.sums.data[i : i + 1].data, layer_key, self.key)
             self.handles.append(layer.module.register_forward_hook(hook))
-
-    def step(self) -> None:
-        CF.GATE[self.regional_key] = bool(self.sampled[self.slot])
-        super().step()
 
     def _forward_total(self) -> float:
         """The step's forward sums, added on the host, and their cells zeroed (host memory)."""
@@ -147,6 +142,5 @@ class RegionalJudgedReadFloor(CF.CompiledJudgedReadFloor):
         return total
 
     def close(self) -> None:
-        CF.GATE[self.regional_key] = False
-        _FLOORS.pop(self.regional_key, None)
+        _FLOORS.pop(self.key, None)
         super().close()
