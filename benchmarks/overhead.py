@@ -189,7 +189,9 @@ def steady_section(windows: int, device: torch.device, flush_every: int = 50,
         for label, upper, lower in gaps:
             gap = window_gap(base, upper, lower, flush_every)
             figures[workload.name][label] = gap
-            print(f"  {label}: {gap[0]:+.2f} points [{gap[1]:+.2f}, {gap[2]:+.2f}] over {gap[3]} windows", flush=True)
+            # (and in time: a point is a smaller time on a faster CPU, where the same host work reads larger)
+            print(f"  {label}: {gap[0]:+.2f} points [{gap[1]:+.2f}, {gap[2]:+.2f}] over {gap[3]} windows "
+                  f"(~{gap[0] * base.mean * 10:+.3f} ms a step)", flush=True)  # fmt: skip
         watched_kinds = {k for k, _ in watching}
         for watched in (r for k, r in of_kind if k in watched_kinds or issubclass(k, C.DefaultStepFloor)):
             parts = window_parts(base, control, watched, flush_every)
