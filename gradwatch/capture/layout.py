@@ -66,15 +66,11 @@ class Layout:
         self.sample_every = max(1, int(sample_every))
         self.planned_slots = planned_slots(flush_every, self.sample_every)
         self._full_window = False
-        #: [flush_every] the current window's sampled slots: the plan, every slot (``full_window``),
-        #: or the plan up to a slot and every slot after it (``sample_from``).
-        self._sampled = self.planned_slots.copy()
-        #: [flush_every + 1] the same as Python bools, then True (past the window: the next one's slot
-        #: 0), read by ``Recorder.record_step`` at every step without a call
-        self.sampled_at: list[bool] = self._listed()
-
-    def _listed(self) -> list[bool]:
-        return [*self._sampled.tolist(), True]
+        #: [flush_every + 1] the current window's sampled slots as Python bools: the plan, every slot
+        #: (``full_window``), or the plan up to a slot and every slot after it (``sample_from``); then
+        #: True (past the window: the next one's slot 0). A list: ``Recorder.record_step`` reads it at
+        #: every step without a call.
+        self.sampled_at: list[bool] = [*self.planned_slots.tolist(), True]
 
     @property
     def full_window(self) -> bool:
@@ -89,14 +85,13 @@ class Layout:
 
     def start_window(self) -> None:
         """A new window samples by the plan (every slot when ``full_window``)."""
-        self._sampled = np.ones(self.flush_every, dtype=bool) if self._full_window else self.planned_slots.copy()
-        self.sampled_at = self._listed()
+        plan = [True] * self.flush_every if self._full_window else self.planned_slots.tolist()
+        self.sampled_at = [*plan, True]
 
     def sample_from(self, slot: int) -> None:
         """Record every statistic at every step from ``slot`` to the end of this window (dead units
         that the sampled steps found, confirmed inside their own window)."""
-        self._sampled[slot:] = True
-        self.sampled_at = self._listed()
+        self.sampled_at[slot:] = [True] * (len(self.sampled_at) - slot)
 
     def is_sampled(self, slot: int) -> bool:
         """Whether step ``slot`` of a window records every statistic (past the window: the next one's slot 0)."""
