@@ -58,27 +58,35 @@ _SCHEMAS = {
     "read_output": ("(Tensor output, Tensor(a!) written, int key, int layer) -> ()", _kernel("read_sampled_output")),
     "read_out_grad": ("(Tensor grad, Tensor(a!) written, int key, int layer) -> ()", _kernel("read_sampled_out_grad")),
 }
-_OP_NAMES = tuple(f"torch.ops.{_NAMESPACE}.{name}.gated" for name in _SCHEMAS)
 
 
-def _returns_nothing(*args: Any) -> None:
-    """The ops' fake kernel: it runs while AOTAutograd traces, before inductor generates code, the
-    moment to have inductor call the kernels directly (as gradwatch's own ops do)."""
-    inductor_compat.call_directly(_OP_NAMES)
+def define_gated_ops(namespace: str, overload: str, schemas: dict[str, tuple[str, Any]]) -> "torch.library.Library":
+    """The floors' opaque ops: ``torch.ops.<namespace>.<name>.<overload>`` for each ``name: (schema,
+    kernel)`` of ``schemas``, as gradwatch defines its own (``capture/host_branch.py``): one Python
+    kernel for every backend, called directly by inductor's wrapper behind :data:`GATE` (keyed by the
+    op's ``key`` argument), and an op that declares nothing written kept in the graph by its
+    registered side effect."""
+    names = tuple(f"torch.ops.{namespace}.{name}.{overload}" for name in schemas)
 
+    def returns_nothing(*args: Any) -> None:
+        # The fake kernel runs while AOTAutograd traces, before inductor generates code: the moment
+        # to have inductor call the kernels directly (as gradwatch's own ops do).
+        inductor_compat.call_directly(names)
 
-def _define_ops() -> "torch.library.Library":
     tags = tuple(getattr(torch.Tag, name) for name in ("flexible_layout", "cudagraph_unsafe") if hasattr(torch.Tag, name))
-    library = torch.library.Library(_NAMESPACE, "DEF")
-    for name, (schema, kernel) in _SCHEMAS.items():
-        library.define(f"{name}.gated{schema}", tags=tags)
-        library.impl(f"{name}.gated", kernel, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"{_NAMESPACE}::{name}.gated", _returns_nothing, lib=library)
-        inductor_compat.attach_kernel(getattr(getattr(torch.ops, _NAMESPACE), name).gated, kernel, GATE, "key")
+    library = torch.library.Library(namespace, "DEF")
+    for name, (schema, kernel) in schemas.items():
+        library.define(f"{name}.{overload}{schema}", tags=tags)
+        library.impl(f"{name}.{overload}", kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{namespace}::{name}.{overload}", returns_nothing, lib=library)
+        op = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+        inductor_compat.attach_kernel(op, kernel, GATE, "key")
+        if "(a!)" not in schema:
+            torch.fx.node.has_side_effect(op)
     return library
 
 
-_LIBRARY = _define_ops()
+_LIBRARY = define_gated_ops(_NAMESPACE, "gated", _SCHEMAS)
 read_output = torch.ops.gradwatch_bench.read_output.gated
 read_out_grad = torch.ops.gradwatch_bench.read_out_grad.gated
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradwatch._compat import inductor as inductor_compat
+from gradwatch.capture.host_branch import storage_place
 from gradwatch.capture.traced_output import forward_sum
 
 from . import compiled_floor as CF
@@ -37,14 +37,16 @@ _WRITTEN: dict[int, torch.Tensor] = {}
 
 
 def _kernel(read: str):
+    """An op's Python kernel: on its floor's sampled steps, the floor's method ``read`` of (the layer
+    ``layer_key`` keys, tensor). (The forward op takes the written tensor before ``key``: the key is last.)"""
+
     def kernel(tensor: torch.Tensor, layer_key: torch.Tensor, *written_and_key: Any) -> None:
         key = written_and_key[-1]
         if not CF.GATE[key]:
             return
         floor = _FLOORS.get(key)
         if floor is not None:
-            place = (layer_key.untyped_storage().data_ptr(), layer_key.storage_offset())
-            getattr(floor, read)(floor.layer_at[place], tensor)
+            getattr(floor, read)(floor.layer_at[storage_place(layer_key)], tensor)
 
     return kernel
 
@@ -57,28 +59,7 @@ _SCHEMAS = {
     "read_output": ("(Tensor output, Tensor layer_key, Tensor(a!) written, int key) -> ()", _kernel("read_sampled_output")),
     "read_out_grad": ("(Tensor grad, Tensor layer_key, int key) -> ()", _kernel("read_sampled_out_grad")),
 }
-_OP_NAMES = tuple(f"torch.ops.{_NAMESPACE}.{name}.keyed" for name in _SCHEMAS)
-
-
-def _returns_nothing(*args: Any) -> None:
-    inductor_compat.call_directly(_OP_NAMES)
-
-
-def _define_ops() -> "torch.library.Library":
-    tags = tuple(getattr(torch.Tag, name) for name in ("flexible_layout", "cudagraph_unsafe") if hasattr(torch.Tag, name))
-    library = torch.library.Library(_NAMESPACE, "DEF")
-    for name, (schema, kernel) in _SCHEMAS.items():
-        library.define(f"{name}.keyed{schema}", tags=tags)
-        library.impl(f"{name}.keyed", kernel, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"{_NAMESPACE}::{name}.keyed", _returns_nothing, lib=library)
-        op = getattr(getattr(torch.ops, _NAMESPACE), name).keyed
-        inductor_compat.attach_kernel(op, kernel, CF.GATE, "key")
-        if "(a!)" not in schema:
-            torch.fx.node.has_side_effect(op)
-    return library
-
-
-_LIBRARY = _define_ops()
+_LIBRARY = CF.define_gated_ops(_NAMESPACE, "keyed", _SCHEMAS)
 _read_output = torch.ops.gradwatch_bench_regional.read_output.keyed
 _read_out_grad = torch.ops.gradwatch_bench_regional.read_out_grad.keyed
 
@@ -131,7 +112,7 @@ class RegionalJudgedReadFloor(CF.CompiledJudgedReadFloor):
         self.handles = []
         for i, layer in enumerate(self.layers):
             layer_key = keys.data[i:i].data
-            self.layer_at[(layer_key.untyped_storage().data_ptr(), i)] = i
+            self.layer_at[storage_place(layer_key)] = i
             hook = _LayerHook(self.sums.data[i : i + 1].data, layer_key, self.key)
             self.handles.append(layer.module.register_forward_hook(hook))
 
