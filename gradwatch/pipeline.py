@@ -137,7 +137,8 @@ class StepPipeline:
         unit at once), the rest of the window is recorded in full on fresh evidence; when the
         window's first sampled steps found a layer dead, the rest of it is recorded in full."""
         recorder, probe = self.recorder, self.units_probe
-        # (taken first, always: a silent layer is noted whether or not its evidence is wiped)
+        # (taken first whenever a layer fell silent: it is noted whether or not its evidence is wiped;
+        # the None test only spares the call at the steps where none did)
         if self.judge.fell_silent is not None and self._take_fell_silent() and probe.enabled \
                 and not self._fresh_evidence:  # wiped once a window
             self._fresh_evidence = True
